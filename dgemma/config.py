@@ -1,0 +1,492 @@
+"""Typed configuration for DiffusionGemma, read from (and written back to) a checkpoint's JSON files.
+
+Field names are those of the Hugging Face `config.json` (the nested `text_config` of
+`model_type: diffusion_gemma`) and `generation_config.json`, so a checkpoint maps onto these classes
+one to one. Per-layer values (attention type, head dim, KV heads, RoPE) are derived here, once, and the
+model reads them from `TextConfig.layer(i)`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+_LAYER_TYPES = (SLIDING, FULL)
+_ROPE_TYPES = ("default", "proportional")
+_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _default_rope_parameters() -> dict[str, dict[str, Any]]:
+    return {
+        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """Everything that differs between layers, resolved for one layer index."""
+
+    layer_type: str  # SLIDING or FULL
+    head_dim: int
+    num_key_value_heads: int
+    rope_type: str  # "default" or "proportional"
+    rope_theta: float
+    partial_rotary_factor: float
+    sliding_window: int | None  # None on full-attention layers
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == SLIDING
+
+    @property
+    def has_v_proj(self) -> bool:
+        """Global layers have no v_proj: their values are the raw k_proj output (K = V)."""
+        return self.is_sliding
+
+
+@dataclass(slots=True)
+class TextConfig:
+    """The text stack (`text_config` in config.json). Defaults are those of the 26B-A4B model."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2816
+    intermediate_size: int = 2112
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = 2
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 262_144
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | None = 2
+    rope_parameters: dict[str, dict[str, Any]] = field(default_factory=_default_rope_parameters)
+    attention_bias: bool = False
+    sliding_window: int = 1024
+    layer_types: list[str] | None = None
+    final_logit_softcapping: float | None = 30.0
+    num_experts: int | None = 128
+    top_k_experts: int | None = 8
+    moe_intermediate_size: int | None = 704
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            # Gemma 4's pattern: five sliding-window layers, then one global layer.
+            self.layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if self.layer_types and self.layer_types[-1] != FULL:
+            # The reference forces this too (with a warning); doing the same keeps numerics identical.
+            warnings.warn("the last layer must use full attention; forcing layer_types[-1] = 'full_attention'",
+                          stacklevel=2)
+            self.layer_types[-1] = FULL
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def has_experts(self) -> bool:
+        """False for dense-only configs (no router, no experts)."""
+        return bool(self.num_experts)
+
+    @property
+    def embed_scale(self) -> float:
+        return self.hidden_size**0.5
+
+    def layer(self, i: int) -> LayerSpec:
+        """The resolved per-layer values of layer `i`."""
+        layer_type = self.layer_types[i]
+        rope = self.rope_parameters[layer_type]
+        is_full = layer_type == FULL
+        num_kv = self.num_key_value_heads
+        if is_full and self.num_global_key_value_heads is not None:
+            num_kv = self.num_global_key_value_heads
+        return LayerSpec(
+            layer_type=layer_type,
+            head_dim=self.global_head_dim if is_full else self.head_dim,
+            num_key_value_heads=num_kv,
+            rope_type=rope.get("rope_type", "default"),
+            rope_theta=float(rope["rope_theta"]),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            sliding_window=None if is_full else self.sliding_window,
+        )
+
+    @property
+    def layers(self) -> list[LayerSpec]:
+        return [self.layer(i) for i in range(self.num_hidden_layers)]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    # ----------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming every field that cannot describe a model dgemma can build."""
+        errors: list[str] = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                     "sliding_window", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                errors.append(f"{name} must be a positive integer (got {value!r})")
+        if errors:
+            raise ValueError("invalid text_config: " + "; ".join(errors))
+        if len(self.layer_types) != self.num_hidden_layers:
+            errors.append(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                          f"{self.num_hidden_layers}")
+        bad_types = sorted(set(self.layer_types) - set(_LAYER_TYPES))
+        if bad_types:
+            errors.append(f"layer_types may only contain {_LAYER_TYPES} (got {bad_types})")
+        for layer_type in set(self.layer_types) & set(_LAYER_TYPES):
+            rope = self.rope_parameters.get(layer_type)
+            if not isinstance(rope, dict) or "rope_theta" not in rope:
+                errors.append(f"rope_parameters[{layer_type!r}] must be a dict with rope_theta")
+            elif rope.get("rope_type", "default") not in _ROPE_TYPES:
+                errors.append(f"rope_parameters[{layer_type!r}].rope_type must be one of {_ROPE_TYPES} "
+                              f"(got {rope.get('rope_type')!r})")
+            elif rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) != 1.0:
+                errors.append(f"rope_parameters[{layer_type!r}]: partial_rotary_factor needs rope_type "
+                              "'proportional'")
+        for name, dim in (("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)):
+            if dim % 2:
+                errors.append(f"{name} must be even for RoPE (got {dim})")
+        for name, kv in (("num_key_value_heads", self.num_key_value_heads),
+                         ("num_global_key_value_heads", self.num_global_key_value_heads)):
+            if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
+                errors.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"{name} ({kv})")
+        moe = (self.num_experts, self.top_k_experts, self.moe_intermediate_size)
+        if any(moe) and not all(isinstance(v, int) and v > 0 for v in moe):
+            errors.append("num_experts, top_k_experts and moe_intermediate_size must all be positive "
+                          f"integers, or all unset for a dense-only model (got {moe})")
+        elif all(moe) and self.top_k_experts > self.num_experts:
+            errors.append(f"top_k_experts ({self.top_k_experts}) exceeds num_experts ({self.num_experts})")
+        if self.hidden_activation not in _ACTIVATIONS:
+            errors.append(f"hidden_activation must be one of {_ACTIVATIONS} (got {self.hidden_activation!r})")
+        if self.rms_norm_eps <= 0:
+            errors.append(f"rms_norm_eps must be > 0 (got {self.rms_norm_eps})")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            errors.append(f"final_logit_softcapping must be > 0 or null (got {self.final_logit_softcapping})")
+        for name in ("pad_token_id", "bos_token_id"):
+            tok = getattr(self, name)
+            if tok is not None and not 0 <= tok < self.vocab_size:
+                errors.append(f"{name} {tok} is outside the vocabulary (size {self.vocab_size})")
+        for tok in self.eos_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                errors.append(f"eos_token_id {tok} is outside the vocabulary (size {self.vocab_size})")
+        if errors:
+            raise ValueError("invalid text_config: " + "; ".join(errors))
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TextConfig:
+        """Build from a config.json `text_config` dict; unknown keys are ignored, unsupported ones rejected."""
+        d = copy.deepcopy(d)
+        bidir = d.get("use_bidirectional_attention")
+        if bidir == "all":
+            raise ValueError("text_config.use_bidirectional_attention='all' (a bidirectional encoder) is not a "
+                             "DiffusionGemma configuration; its encoder is causal")
+        if d.get("hidden_size_per_layer_input") or d.get("num_kv_shared_layers"):
+            raise ValueError("per-layer input embeddings and shared-KV layers (Gemma 4 E2B/E4B features) are not "
+                             "part of DiffusionGemma")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        layer_types = d.get("layer_types")
+        per_layer = d.get("per_layer_config")
+        if per_layer:
+            kwargs.update(_read_per_layer_config(per_layer, layer_types, d))
+        else:
+            # transformers' defaults when config.json gives neither form
+            kwargs.setdefault("global_head_dim", 512)
+            if d.get("attention_k_eq_v") is False:
+                kwargs["num_global_key_value_heads"] = None
+            else:
+                kwargs.setdefault("num_global_key_value_heads", None)
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            kwargs.setdefault(key, None)
+        if kwargs.get("rope_parameters") is None:
+            kwargs.pop("rope_parameters", None)
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # wrong value types from a hand-edited file
+            raise ValueError(f"invalid text_config: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json `text_config` dict, in the form transformers writes and reads back."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        global_head_dim = d.pop("global_head_dim")
+        num_global_kv = d.pop("num_global_key_value_heads")
+        overrides: dict[str, Any] = {"head_dim": global_head_dim}
+        if num_global_kv is not None:
+            overrides["num_key_value_heads"] = num_global_kv
+        d["per_layer_config"] = {str(i): dict(overrides) for i, t in enumerate(self.layer_types) if t == FULL}
+        d["model_type"] = "diffusion_gemma_text"
+        d["hidden_activation"] = "gelu_pytorch_tanh"
+        d["tie_word_embeddings"] = True
+        d["use_bidirectional_attention"] = None
+        return d
+
+
+def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: dict) -> dict[str, Any]:
+    """Turn transformers' `per_layer_config` back into global_head_dim / num_global_key_value_heads.
+
+    DiffusionGemma's global layers all share one override ({head_dim, num_key_value_heads}); any other
+    pattern is not this architecture, so it is rejected rather than half-supported.
+    """
+    num_layers = d.get("num_hidden_layers")
+    if layer_types is None and isinstance(num_layers, int):
+        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
+    layer_types = list(layer_types or [])
+    if layer_types:
+        layer_types[-1] = FULL
+    full_layers = {i for i, t in enumerate(layer_types) if t == FULL}
+    try:
+        keyed = {int(k): v for k, v in per_layer.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"text_config.per_layer_config keys must be layer indices (got {list(per_layer)})") from e
+    if set(keyed) != full_layers:
+        raise ValueError(f"text_config.per_layer_config overrides layers {sorted(keyed)}, but the full-attention "
+                         f"layers are {sorted(full_layers)}; dgemma supports the Gemma 4 form only")
+    values = {json.dumps(v, sort_keys=True) for v in keyed.values()}
+    if len(values) != 1:
+        raise ValueError("text_config.per_layer_config must give every full-attention layer the same override")
+    override = next(iter(keyed.values()))
+    unknown = set(override) - {"head_dim", "num_key_value_heads"}
+    if unknown:
+        raise ValueError(f"text_config.per_layer_config: unsupported per-layer fields {sorted(unknown)}")
+    return {
+        "global_head_dim": override.get("head_dim", d.get("head_dim", 256)),
+        "num_global_key_value_heads": override.get("num_key_value_heads"),
+    }
+
+
+@dataclass(slots=True)
+class DiffusionGemmaConfig:
+    """The whole model (`config.json` of `model_type: diffusion_gemma`)."""
+
+    text_config: TextConfig = field(default_factory=TextConfig)
+    canvas_length: int = 256
+    boi_token_id: int | None = 255_999
+    eoi_token_id: int | None = 258_882
+    image_token_id: int | None = 258_880
+    vision_config: dict[str, Any] | None = None  # kept for round trips; dgemma runs text only
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.canvas_length, int) or self.canvas_length <= 0:
+            raise ValueError(f"canvas_length must be a positive integer (got {self.canvas_length!r})")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiffusionGemmaConfig:
+        model_type = d.get("model_type")
+        if model_type != "diffusion_gemma":
+            raise ValueError(f"config.json has model_type {model_type!r}; dgemma loads 'diffusion_gemma' "
+                             "checkpoints (DiffusionGemmaForBlockDiffusion)")
+        if d.get("tie_word_embeddings") is False:
+            raise ValueError("config.json sets tie_word_embeddings=false; DiffusionGemma ties the LM head to the "
+                             "embeddings and shares the encoder and decoder weights")
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("config.json has no text_config object")
+        return cls(
+            text_config=TextConfig.from_dict(text),
+            canvas_length=d.get("canvas_length", 256),
+            boi_token_id=d.get("boi_token_id", 255_999),
+            eoi_token_id=d.get("eoi_token_id", 258_882),
+            image_token_id=d.get("image_token_id", 258_880),
+            vision_config=d.get("vision_config"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "model_type": "diffusion_gemma",
+            "canvas_length": self.canvas_length,
+            "boi_token_id": self.boi_token_id,
+            "eoi_token_id": self.eoi_token_id,
+            "image_token_id": self.image_token_id,
+            "tie_word_embeddings": True,
+            "text_config": self.text_config.to_dict(),
+        }
+        if self.vision_config is not None:
+            d["vision_config"] = copy.deepcopy(self.vision_config)
+        return d
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DiffusionGemmaConfig:
+        """Read `config.json` (or the config.json inside a checkpoint directory)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a checkpoint directory needs a config.json")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
+@dataclass(slots=True)
+class GenerationConfig:
+    """Sampling defaults (`generation_config.json`); values a checkpoint leaves null take the reference's."""
+
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("max_new_tokens", "max_denoising_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                errors.append(f"{name} must be a positive integer (got {v!r})")
+        if not self.entropy_bound > 0:
+            errors.append(f"entropy_bound must be > 0 (got {self.entropy_bound})")
+        if not 0 <= self.t_min < self.t_max:
+            errors.append(f"need 0 <= t_min < t_max (got t_min={self.t_min}, t_max={self.t_max})")
+        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
+            errors.append(f"stability_threshold must be an integer >= 0 (got {self.stability_threshold!r})")
+        if not self.confidence_threshold > 0:
+            errors.append(f"confidence_threshold must be > 0 (got {self.confidence_threshold})")
+        if errors:
+            raise ValueError("invalid generation config: " + "; ".join(errors))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerationConfig:
+        d = {k: v for k, v in d.items() if v is not None}
+        sampler = d.pop("sampler_config", None)
+        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+            d.setdefault("entropy_bound", sampler["entropy_bound"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["sampler_config"] = {"entropy_bound": d.pop("entropy_bound"), "_cls_name": "EntropyBoundSamplerConfig"}
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> GenerationConfig:
+        """Read generation_config.json, or return the reference defaults when the file is absent."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets: the real model, and small models for tests, benchmarks and the project's own training.
+
+def _preset_26b_a4b() -> DiffusionGemmaConfig:
+    return DiffusionGemmaConfig(text_config=TextConfig(), canvas_length=256)
+
+
+def _preset_tiny(dense: bool = False) -> DiffusionGemmaConfig:
+    moe = dict(num_experts=None, top_k_experts=None, moe_intermediate_size=None) if dense else dict(
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    text = TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                      num_global_key_value_heads=1, sliding_window=32, max_position_embeddings=4096,
+                      **moe)
+    return DiffusionGemmaConfig(text_config=text, canvas_length=16, boi_token_id=None, eoi_token_id=None,
+                                image_token_id=None)
+
+
+def _preset_small() -> DiffusionGemmaConfig:
+    text = TextConfig(vocab_size=32_768, hidden_size=512, intermediate_size=1024, num_hidden_layers=10,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                      num_global_key_value_heads=1, sliding_window=512, max_position_embeddings=32_768,
+                      num_experts=8, top_k_experts=2, moe_intermediate_size=256)
+    return DiffusionGemmaConfig(text_config=text, canvas_length=64, boi_token_id=None, eoi_token_id=None,
+                                image_token_id=None)
+
+
+PRESETS = {
+    "26b-a4b": _preset_26b_a4b,
+    "small": _preset_small,
+    "tiny": _preset_tiny,
+    "tiny-dense": lambda: _preset_tiny(dense=True),
+}
+
+
+def preset(name: str) -> DiffusionGemmaConfig:
+    """A named configuration: '26b-a4b' (the released model), 'small' (~70M), 'tiny', 'tiny-dense'."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def count_parameters(config: DiffusionGemmaConfig) -> dict[str, int]:
+    """Parameter counts computed from the config alone: total, and active per token (top-k experts only).
+
+    The embedding is counted once (the LM head is tied to it). The self-conditioning block is part of the
+    total and of the active count (it runs on every denoising step).
+    """
+    t = config.text_config
+    h = t.hidden_size
+    total = active = t.vocab_size * h + h  # embeddings + final norm
+    sc = 3 * h * t.intermediate_size + h
+    total += sc
+    active += sc
+    for spec in t.layers:
+        q = t.num_attention_heads * spec.head_dim
+        kv = spec.num_key_value_heads * spec.head_dim
+        attn = h * q + h * kv * (2 if spec.has_v_proj else 1) + q * h + 2 * spec.head_dim
+        dense = 3 * h * t.intermediate_size
+        norms = 5 * h
+        common = attn + dense + norms
+        total += common
+        active += common
+        if t.has_experts:
+            expert = 3 * h * t.moe_intermediate_size
+            router = h * t.num_experts + h + t.num_experts
+            total += t.num_experts * expert + router + 2 * h
+            active += t.top_k_experts * expert + router + 2 * h
+    return {"total": total, "active": active}
+
+
+def human_count(n: int) -> str:
+    """12_345_678 -> '12.3M'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
+__all__ = [
+    "FULL",
+    "PRESETS",
+    "SLIDING",
+    "DiffusionGemmaConfig",
+    "GenerationConfig",
+    "LayerSpec",
+    "TextConfig",
+    "count_parameters",
+    "human_count",
+    "preset",
+]

@@ -1,0 +1,137 @@
+"""A preallocated, fixed-shape KV cache: `encode` writes it, `denoise` reads it.
+
+Per layer, keys and values live in buffers allocated once:
+
+- full-attention layers: [B, Hkv, max_length, D], slot p holds absolute position p;
+- sliding-window layers: [B, Hkv, W - 1, D], right-aligned: the last slot holds the newest position.
+  A causal query sees itself and the W - 1 positions before it, so W - 1 cached positions are all a
+  later call can need. This is also exactly what the reference's canvas queries see on sliding layers:
+  the last W - 1 cached positions plus the whole canvas.
+
+Rows of a batch share positions (position = index in the padded sequence, as in the reference);
+`valid[b, p]` is False where row b has left padding at position p, and every mask hides those keys.
+The cache can be reused across turns: each `encode` appends after what is there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FULL, SLIDING, TextConfig
+
+
+class KVCache:
+    """Fixed-shape keys/values for every layer, plus which positions of each row are real tokens."""
+
+    def __init__(self, config: TextConfig, batch_size: int, max_length: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if batch_size <= 0 or max_length <= 0:
+            raise ValueError(f"batch_size and max_length must be positive (got {batch_size}, {max_length})")
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.window = config.sliding_window
+        self.length = 0  # positions written so far (shared by all rows)
+        self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.is_sliding: list[bool] = []
+        for spec in config.layers:
+            slots = min(self.window - 1, max_length) if spec.is_sliding else max_length
+            shape = (batch_size, spec.num_key_value_heads, slots, spec.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.is_sliding.append(spec.is_sliding)
+        self._pending = 0  # tokens of the encode call in progress
+
+    @property
+    def device(self) -> torch.device:
+        return self.valid.device
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+
+    def reset(self) -> None:
+        """Forget everything (the buffers are kept and overwritten by the next encode)."""
+        self.length = 0
+        self.valid.zero_()
+
+    # -- positions and masks, built once per call and shared by all layers of a type ------------------
+    def _num_cached(self, layer_sliding: bool) -> int:
+        return min(self.length, self.window - 1) if layer_sliding else self.length
+
+    def _prefix_positions(self, sliding: bool) -> torch.Tensor:
+        n = self._num_cached(sliding)
+        return torch.arange(self.length - n, self.length, device=self.device)
+
+    def prepare_encode(self, num_tokens: int, attention_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
+        start, end = self.length, self.length + num_tokens
+        if end > self.max_length:
+            raise ValueError(f"the KV cache holds {self.max_length} positions; {self.length} are used and "
+                             f"{num_tokens} more do not fit (make the cache larger)")
+        if attention_mask is None:
+            self.valid[:, start:end] = True
+        else:
+            if attention_mask.shape != (self.batch_size, num_tokens):
+                raise ValueError(f"attention_mask must have shape {(self.batch_size, num_tokens)} "
+                                 f"(got {tuple(attention_mask.shape)})")
+            self.valid[:, start:end] = attention_mask.to(device=self.device, dtype=torch.bool)
+        self._pending = num_tokens
+        q = torch.arange(start, end, device=self.device)
+        masks: dict[str, torch.Tensor | None] = {}
+        for layer_type, sliding in ((SLIDING, True), (FULL, False)):
+            k = torch.cat([self._prefix_positions(sliding), q])  # [S]
+            allowed = (k[None, :] <= q[:, None]) & self.valid[:, k][:, None, :]  # [B, T, S]
+            if sliding:
+                allowed &= (q[:, None] - k[None, :]) < self.window
+            # A padded query sees nothing real; let it see itself so softmax stays finite (its output is unused).
+            allowed |= (k[None, :] == q[:, None])[None] & ~self.valid[:, q][:, :, None]
+            masks[layer_type] = allowed[:, None]
+        return q, masks
+
+    def prepare_denoise(self, canvas_length: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """Positions of a canvas placed after the cache, and its bidirectional masks (None: no padding)."""
+        q = torch.arange(self.length, self.length + canvas_length, device=self.device)
+        masks: dict[str, torch.Tensor | None] = {}
+        for layer_type, sliding in ((SLIDING, True), (FULL, False)):
+            prefix_valid = self.valid[:, self._prefix_positions(sliding)]  # [B, S_prefix]
+            if bool(prefix_valid.all()):
+                masks[layer_type] = None
+                continue
+            canvas_valid = prefix_valid.new_ones(self.batch_size, canvas_length)
+            allowed = torch.cat([prefix_valid, canvas_valid], dim=1)  # [B, S]
+            masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+        return q, masks
+
+    # -- per-layer access (called from inside the attention of layer i) ------------------------------
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode: store the new k/v [B, Hkv, T, D]; return the keys/values to attend over [B, Hkv, S, D]."""
+        t = k.shape[2]
+        if not self.is_sliding[i]:
+            end = self.length + t
+            self.keys[i][:, :, self.length:end] = k
+            self.values[i][:, :, self.length:end] = v
+            return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        keys, values = self.with_prefix(i, k, v)
+        slots = self.keys[i].shape[2]
+        m = min(keys.shape[2], slots)  # right-align the newest m positions
+        self.keys[i][:, :, slots - m:] = keys[:, :, -m:]
+        self.values[i][:, :, slots - m:] = values[:, :, -m:]
+        return keys, values
+
+    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Denoise: [cached prefix ; k/v] without writing anything."""
+        n = self._num_cached(self.is_sliding[i])
+        if self.is_sliding[i]:
+            slots = self.keys[i].shape[2]
+            past_k, past_v = self.keys[i][:, :, slots - n:], self.values[i][:, :, slots - n:]
+        else:
+            past_k, past_v = self.keys[i][:, :, :n], self.values[i][:, :, :n]
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+    def commit(self, num_tokens: int) -> None:
+        """Called by encode after all layers wrote their keys: the new positions become part of the prefix."""
+        assert num_tokens == self._pending, "commit must follow prepare_encode of the same length"
+        self.length += num_tokens
+        self._pending = 0

@@ -1,0 +1,198 @@
+"""Tokenizer and chat template of a checkpoint directory.
+
+Reads `tokenizer.json` (the `tokenizers` format), the special tokens named in `tokenizer_config.json`,
+and the chat template from `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`. Chat
+messages are rendered the way Hugging Face renders them (a sandboxed Jinja environment with
+trim_blocks / lstrip_blocks, `raise_exception`, `strftime_now`, a JSON `tojson` and `{% generation %}`
+blocks), so the text is what the checkpoint's template produces there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's API)
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment chat templates are written for."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile (line {e.lineno}): {e.message}") from e
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role' (got {m!r})")
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image", "image_url", "video", "audio"):
+                    raise ValueError(f"message {i} has {kind} content; dgemma runs the text model only")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"message {i}: content must be a string or a list of parts (got {type(content).__name__})")
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:  # templates read one of several names for the same thing
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, and the chat template, for one checkpoint."""
+
+    def __init__(self, tokenizer: _HFTokenizer, special_tokens: dict[str, str] | None = None,
+                 chat_template: str | None = None):
+        self._tok = tokenizer
+        self.special_tokens = dict(special_tokens or {})
+        self.chat_template = chat_template
+        self._compiled = compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template from a checkpoint directory."""
+        directory = Path(path)
+        tj = directory / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{tj} not found: dgemma needs the tokenizer in tokenizers' JSON format")
+        try:
+            tok = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"{tj} is not a valid tokenizers file: {e}") from e
+        config: dict[str, Any] = {}
+        tc = directory / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                config = json.loads(tc.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{tc} is not valid JSON: {e}") from e
+        special = {}
+        for key in _SPECIAL_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):  # the older AddedToken form
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        template = None
+        jinja_file = directory / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+            template = named.get("default")
+        return cls(tok, special, template)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into `path`."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / "tokenizer.json"))
+        config = {**self.special_tokens, "tokenizer_class": "PreTrainedTokenizerFast"}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        if self.chat_template:
+            (directory / "chat_template.jinja").write_text(self.chat_template)
+
+    # -- ids --------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.special_tokens.get(key)
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- chat -------------------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None, tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """The prompt text the checkpoint's chat template makes of `messages`.
+
+        `enable_thinking` is passed to the template only when given (templates may default it either way).
+        """
+        if self._compiled is None:
+            raise ValueError("this tokenizer has no chat template (no chat_template.jinja and no chat_template "
+                             "in tokenizer_config.json); pass raw text instead")
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        try:
+            return self._compiled.render(messages=_check_messages(messages), tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens, **kwargs)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected these messages: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat (the template writes any BOS itself, so none is added)."""
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)

@@ -1,0 +1,295 @@
+"""Hugging Face checkpoints <-> dgemma models: safetensors only, memory-mapped, strictly validated.
+
+A checkpoint directory holds `config.json`, optionally `generation_config.json`, and either
+`model.safetensors` or shards listed in `model.safetensors.index.json`. Names follow transformers'
+`DiffusionGemmaForBlockDiffusion`:
+
+    model.decoder.<name>                              -> <name> in dgemma (the shared stack)
+    model.encoder.language_model.layers.N.layer_scalar -> layers.N.encoder_layer_scalar
+    model.encoder.language_model.<name>               -> a tied copy of model.decoder.<name> (checked equal)
+    lm_head.weight                                    -> tied to embed_tokens.weight (checked equal)
+    model.encoder.vision_tower.* / embed_vision.*     -> skipped: dgemma runs text only
+
+transformers stores each tied tensor once (under the decoder's name); other writers may store both
+sides in full. Both layouts load. `save` writes the transformers layout, which transformers loads too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import DiffusionGemmaConfig, GenerationConfig
+from .model import DiffusionGemma
+
+DEC = "model.decoder."
+ENC = "model.encoder.language_model."
+VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+_ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16; None or 'auto' -> None (keep the stored dtype)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+
+def _refuse_pickle(path: Path) -> None:
+    raise ValueError(
+        f"{path} is a pickle file; dgemma loads safetensors only, because unpickling a file can run "
+        "arbitrary code. Convert it once in a trusted environment (e.g. transformers' save_pretrained "
+        "with safe_serialization=True) and load the model.safetensors it writes.")
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    if directory.is_file():
+        if directory.suffix in _PICKLE_SUFFIXES:
+            _refuse_pickle(directory)
+        raise ValueError(f"{directory} is a file; pass the checkpoint directory that holds config.json")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} lists shards that are missing from {directory}: {missing}")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickles = sorted(p for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        _refuse_pickle(pickles[0])
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
+
+
+class _TensorSource:
+    """Lazy, memory-mapped access to every tensor of a checkpoint, by HF name."""
+
+    def __init__(self, files: list[Path]):
+        self._handles = {}
+        self.where: dict[str, Path] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"{f} is not a readable safetensors file: {e}") from e
+            self._handles[f] = h
+            for name in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                self.where[name] = f
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], list[str], list[str]]:
+    """Split checkpoint names into: ours <- primary HF name; tied copies (HF name -> ours); vision; unknown."""
+    primary: dict[str, str] = {}
+    tied: dict[str, str] = {}
+    vision: list[str] = []
+    unknown: list[str] = []
+    for name in hf_names:
+        if name.startswith(VISION):
+            vision.append(name)
+        elif (m := _ENC_SCALAR.match(name)) is not None:
+            primary[f"layers.{m.group(1)}.encoder_layer_scalar"] = name
+        elif name.startswith(DEC):
+            primary[name[len(DEC):]] = name
+        elif name.startswith(ENC):
+            tied[name] = name[len(ENC):]
+        elif name == "lm_head.weight":
+            tied[name] = "embed_tokens.weight"
+        else:
+            unknown.append(name)
+    # A checkpoint may store a tied tensor only on the encoder side; then that copy is the primary.
+    for hf, ours in list(tied.items()):
+        if ours not in primary and hf != "lm_head.weight":
+            primary[ours] = tied.pop(hf)
+    return primary, tied, vision, unknown
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | str | None = "auto",
+    device: torch.device | str = "cpu",
+    verify_tied: bool = True,
+) -> DiffusionGemma:
+    """Load a Hugging Face-format DiffusionGemma checkpoint directory into a dgemma model.
+
+    The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
+    so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
+    or 'auto' to keep the stored dtype. Missing, unexpected or wrongly shaped tensors raise one
+    ValueError that names them all. With `verify_tied`, tied copies stored twice are checked equal.
+    """
+    directory = Path(path)
+    files = _weight_files(directory)
+    config = DiffusionGemmaConfig.from_file(directory)
+    source = _TensorSource(files)
+    primary, tied, vision, unknown = _map_names(source.names())
+
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+    missing = sorted(set(expected) - set(primary))
+    unexpected = sorted(unknown + [primary[n] for n in set(primary) - set(expected)])
+    unexpected += sorted(hf for hf, ours in tied.items() if ours not in expected)
+    wrong_shape = [f"{primary[n]}: checkpoint {source.shape(primary[n])}, model {expected[n]}"
+                   for n in sorted(set(primary) & set(expected)) if source.shape(primary[n]) != expected[n]]
+    wrong_shape += [f"{hf}: checkpoint {source.shape(hf)}, model {expected[ours]}"
+                    for hf, ours in sorted(tied.items()) if ours in expected and source.shape(hf) != expected[ours]]
+    if missing or unexpected or wrong_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors ({len(missing)}): "
+                         + ", ".join(_hf_name(n) for n in missing))
+        if unexpected:
+            parts.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+        if wrong_shape:
+            parts.append(f"wrong shapes ({len(wrong_shape)}): " + "; ".join(wrong_shape))
+        raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
+    if vision:
+        warnings.warn(f"{directory}: skipping the vision tower ({len(vision)} tensors); dgemma runs the text "
+                      "model only and cannot take image input", stacklevel=2)
+
+    target = resolve_dtype(dtype)
+    if target is None:
+        target = source.get(primary["embed_tokens.weight"]).dtype
+        if target not in _DTYPE_NAMES:
+            target = torch.float32
+    state = {}
+    for ours, hf in primary.items():
+        state[ours] = source.get(hf).to(device=device, dtype=target)
+    if verify_tied:
+        for hf, ours in tied.items():
+            if not torch.equal(source.get(hf).to(device=device, dtype=target), state[ours]):
+                raise ValueError(f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
+                                 "DiffusionGemma shares these weights between encoder and decoder")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.generation_config = GenerationConfig.from_file(directory)
+    model.eval()
+    return model
+
+
+def _hf_name(ours: str) -> str:
+    m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", ours)
+    return f"{ENC}layers.{m.group(1)}.layer_scalar" if m else DEC + ours
+
+
+def hf_state_dict(model: DiffusionGemma) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under transformers' checkpoint names (each tied tensor once)."""
+    for name, t in model.state_dict().items():
+        yield _hf_name(name), t
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(
+    model: DiffusionGemma,
+    path: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    generation_config: GenerationConfig | None = None,
+) -> Path:
+    """Write `model` as a Hugging Face checkpoint directory (config, safetensors, optional index).
+
+    Every file is written to a temporary name and renamed into place, so a crash leaves either the old
+    file or the new one, never a torn one. The weight files go first and config.json last.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in hf_state_dict(model)}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        _atomic_save_tensors(shards[0], out / "model.safetensors", meta)
+        (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save_tensors(shard, out / fname, meta)
+            weight_map.update(dict.fromkeys(shard, fname))
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        _atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+        (out / "model.safetensors").unlink(missing_ok=True)
+    gen = generation_config or getattr(model, "generation_config", None)
+    if gen is not None:
+        _atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
+    config = model.config.to_dict()
+    config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
+    _atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
+    return out
