@@ -187,13 +187,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, m, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)  # [N, M]
+        # Each (token, slot) output is weighted in fp32 and the K slots are summed in fp32, then cast
+        # back: more accurate in bf16 than accumulating in place, and what the reference does.
+        n, k = index.shape
+        slots = x.new_zeros(n, k, x.shape[-1], dtype=torch.float32)  # [N, K, M]
         for e in torch.unique(index).tolist():
             token, slot = torch.where(index == e)
             gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+            slots[token, slot] = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+        return slots.sum(dim=1).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

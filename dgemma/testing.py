@@ -73,6 +73,17 @@ def make_oracle_checkpoint(path: str | Path, **kwargs: Any):
     return model
 
 
+def load_quiet(path: str | Path, **kwargs: Any):
+    """dgemma.load without the expected notice about the tiny vision tower of oracle checkpoints."""
+    import warnings
+
+    from .weights import load
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*vision tower.*")
+        return load(path, **kwargs)
+
+
 def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     """A byte-level BPE `dgemma.Tokenizer` with Gemma 4-style specials (ids 0..9) and the dgemma template."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -91,3 +102,112 @@ def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
                "mask_token": "<mask>"}
     return Tokenizer(tok, special, TEMPLATE_PATH.read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# Side-by-side runs against the oracle (used by tests/test_parity.py and benchmarks/parity.py)
+
+def _valid_kv_diff(ours_k: torch.Tensor, theirs_k: torch.Tensor, valid: torch.Tensor) -> float:
+    """Max |diff| over positions that are real tokens in every row ([B, H, S, D] aligned on the right)."""
+    s = theirs_k.shape[2]
+    ours_k = ours_k[:, :, -s:]
+    keep = valid[:, -s:][:, None, :, None]
+    return (ours_k.float() - theirs_k.float()).abs().masked_fill(~keep, 0).max().item()
+
+
+@torch.no_grad()
+def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed: int = 0) -> dict[str, float]:
+    """Run one scenario through the oracle and dgemma with the same inputs; return max |diff| per quantity.
+
+    Rows of `prompt_lengths` are left-padded to the longest. Checks: encoder hidden states and KV cache
+    after the prompt, denoise logits without and with self-conditioning, and, with `commit`, the same
+    after committing the argmax canvas through the encoder and denoising a second canvas.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.text_config.vocab_size
+    c = model.config.canvas_length
+    b, t = len(prompt_lengths), max(prompt_lengths)
+    ids = torch.randint(3, vocab, (b, t), generator=g)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for row, n in enumerate(prompt_lengths):
+        mask[row, t - n:] = 1
+    padded = bool((mask == 0).any())
+    canvas = torch.randint(0, vocab, (b, c), generator=g)
+    dtype = model.dtype
+    out: dict[str, float] = {}
+
+    def row_valid(m: torch.Tensor) -> torch.Tensor:
+        return m.bool()
+
+    pkv = DynamicCache(config=oracle.config.text_config)
+    enc_kw = {"attention_mask": mask} if padded else {}
+    ref_enc = oracle.model.encoder(input_ids=ids, past_key_values=pkv, **enc_kw).last_hidden_state
+    cache = model.new_cache(b, t + 2 * c)
+    enc = model.encode(ids, cache, attention_mask=mask if padded else None)
+    valid = row_valid(mask)
+    out["prefill_hidden"] = (enc.hidden_states.float() - ref_enc.float()).abs()[valid].max().item()
+    out["prefill_kv"] = max(
+        max(_valid_kv_diff(cache.keys[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.keys[i],
+                           layer.keys, valid),
+            _valid_kv_diff(cache.values[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.values[i],
+                           layer.values, valid))
+        for i, layer in enumerate(pkv.layers))
+
+    def dec_mask(extra: int) -> dict:
+        return {"decoder_attention_mask": torch.nn.functional.pad(mask, (0, extra), value=1)} if padded else {}
+
+    ref = oracle(past_key_values=pkv, decoder_input_ids=canvas, **dec_mask(c)).logits
+    ours = model.denoise(canvas, cache)
+    out["logits"] = (ours - ref).abs().max().item()
+    sc = (ref / 0.6).to(dtype)  # processed logits of a "previous step", in the embedding dtype
+    ref_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas, self_conditioning_logits=sc, **dec_mask(c)).logits
+    out["logits_sc"] = (model.denoise(canvas, cache, sc) - ref_sc).abs().max().item()
+    if not commit:
+        return out
+
+    committed = ref.argmax(-1)
+    full_mask = torch.nn.functional.pad(mask, (0, c), value=1)
+    enc_kw = {"attention_mask": full_mask} if padded else {}
+    ref_enc2 = oracle.model.encoder(input_ids=committed, past_key_values=pkv, **enc_kw).last_hidden_state
+    enc2 = model.encode(committed, cache)
+    out["commit_hidden"] = (enc2.hidden_states.float() - ref_enc2.float()).abs().max().item()
+    canvas2 = torch.randint(0, vocab, (b, c), generator=g)
+    mask = full_mask
+    ref2 = oracle(past_key_values=pkv, decoder_input_ids=canvas2, **dec_mask(c)).logits
+    out["logits_canvas2"] = (model.denoise(canvas2, cache) - ref2).abs().max().item()
+    sc2 = (ref2 / 0.5).to(dtype)
+    ref2_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas2, self_conditioning_logits=sc2,
+                     **dec_mask(c)).logits
+    out["logits_canvas2_sc"] = (model.denoise(canvas2, cache, sc2) - ref2_sc).abs().max().item()
+    return out
+
+
+PARITY_SCENARIOS = {
+    # name: (prompt lengths per row, commit a canvas and denoise a second one)
+    "short_prompt": ([10], False),
+    "long_prompt": ([40], False),  # longer than the sliding window (16)
+    "second_canvas": ([12], True),
+    "batch_left_padding": ([40, 27], True),
+}
+
+
+def dense_checkpoint_from_oracle(src: str | Path, dst: str | Path) -> Path:
+    """Rewrite an oracle checkpoint whose experts add zero as a dense-only dgemma checkpoint."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    moe_parts = (".router.", ".experts.", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
+               if not any(p in k for p in moe_parts) and not k.startswith("model.encoder.vision_tower")
+               and not k.startswith("model.encoder.embed_vision")}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"].update(num_experts=None, top_k_experts=None, moe_intermediate_size=None)
+    config.pop("vision_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
