@@ -1,10 +1,10 @@
 """dgemma: an independent pure-PyTorch implementation of DiffusionGemma (not affiliated with Google).
 
-    import dgemma
-    model = dgemma.load("path/to/checkpoint")             # HF-format directory, safetensors
-    cache = model.new_cache(batch_size=1, max_length=512)
-    model.encode(prompt_ids, cache)                       # causal prefill, writes the cache
-    logits = model.denoise(canvas_ids, cache)             # one bidirectional denoising step
+import dgemma
+model = dgemma.load("path/to/checkpoint")             # HF-format directory, safetensors
+cache = model.new_cache(batch_size=1, max_length=512)
+model.encode(prompt_ids, cache)                       # causal prefill, writes the cache
+logits = model.denoise(canvas_ids, cache)             # one bidirectional denoising step
 """
 
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters, preset

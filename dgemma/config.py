@@ -88,8 +88,9 @@ class TextConfig:
         self.layer_types = list(self.layer_types)
         if self.layer_types and self.layer_types[-1] != FULL:
             # The reference forces this too (with a warning); doing the same keeps numerics identical.
-            warnings.warn("the last layer must use full attention; forcing layer_types[-1] = 'full_attention'",
-                          stacklevel=2)
+            warnings.warn(
+                "the last layer must use full attention; forcing layer_types[-1] = 'full_attention'", stacklevel=2
+            )
             self.layer_types[-1] = FULL
         self.validate()
 
@@ -135,17 +136,27 @@ class TextConfig:
     def validate(self) -> None:
         """Raise ValueError naming every field that cannot describe a model dgemma can build."""
         errors: list[str] = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
-                     "sliding_window", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "global_head_dim",
+            "sliding_window",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 errors.append(f"{name} must be a positive integer (got {value!r})")
         if errors:
             raise ValueError("invalid text_config: " + "; ".join(errors))
         if len(self.layer_types) != self.num_hidden_layers:
-            errors.append(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                          f"{self.num_hidden_layers}")
+            errors.append(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
         bad_types = sorted(set(self.layer_types) - set(_LAYER_TYPES))
         if bad_types:
             errors.append(f"layer_types may only contain {_LAYER_TYPES} (got {bad_types})")
@@ -154,23 +165,27 @@ class TextConfig:
             if not isinstance(rope, dict) or "rope_theta" not in rope:
                 errors.append(f"rope_parameters[{layer_type!r}] must be a dict with rope_theta")
             elif rope.get("rope_type", "default") not in _ROPE_TYPES:
-                errors.append(f"rope_parameters[{layer_type!r}].rope_type must be one of {_ROPE_TYPES} "
-                              f"(got {rope.get('rope_type')!r})")
+                errors.append(
+                    f"rope_parameters[{layer_type!r}].rope_type must be one of {_ROPE_TYPES} "
+                    f"(got {rope.get('rope_type')!r})"
+                )
             elif rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) != 1.0:
-                errors.append(f"rope_parameters[{layer_type!r}]: partial_rotary_factor needs rope_type "
-                              "'proportional'")
+                errors.append(f"rope_parameters[{layer_type!r}]: partial_rotary_factor needs rope_type 'proportional'")
         for name, dim in (("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)):
             if dim % 2:
                 errors.append(f"{name} must be even for RoPE (got {dim})")
-        for name, kv in (("num_key_value_heads", self.num_key_value_heads),
-                         ("num_global_key_value_heads", self.num_global_key_value_heads)):
+        for name, kv in (
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("num_global_key_value_heads", self.num_global_key_value_heads),
+        ):
             if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
-                errors.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                              f"{name} ({kv})")
+                errors.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of {name} ({kv})")
         moe = (self.num_experts, self.top_k_experts, self.moe_intermediate_size)
         if any(moe) and not all(isinstance(v, int) and v > 0 for v in moe):
-            errors.append("num_experts, top_k_experts and moe_intermediate_size must all be positive "
-                          f"integers, or all unset for a dense-only model (got {moe})")
+            errors.append(
+                "num_experts, top_k_experts and moe_intermediate_size must all be positive "
+                f"integers, or all unset for a dense-only model (got {moe})"
+            )
         elif all(moe) and self.top_k_experts > self.num_experts:
             errors.append(f"top_k_experts ({self.top_k_experts}) exceeds num_experts ({self.num_experts})")
         if self.hidden_activation not in _ACTIVATIONS:
@@ -196,11 +211,15 @@ class TextConfig:
         d = copy.deepcopy(d)
         bidir = d.get("use_bidirectional_attention")
         if bidir == "all":
-            raise ValueError("text_config.use_bidirectional_attention='all' (a bidirectional encoder) is not a "
-                             "DiffusionGemma configuration; its encoder is causal")
+            raise ValueError(
+                "text_config.use_bidirectional_attention='all' (a bidirectional encoder) is not a "
+                "DiffusionGemma configuration; its encoder is causal"
+            )
         if d.get("hidden_size_per_layer_input") or d.get("num_kv_shared_layers"):
-            raise ValueError("per-layer input embeddings and shared-KV layers (Gemma 4 E2B/E4B features) are not "
-                             "part of DiffusionGemma")
+            raise ValueError(
+                "per-layer input embeddings and shared-KV layers (Gemma 4 E2B/E4B features) are not "
+                "part of DiffusionGemma"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         layer_types = d.get("layer_types")
@@ -257,8 +276,10 @@ def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: di
     except (TypeError, ValueError) as e:
         raise ValueError(f"text_config.per_layer_config keys must be layer indices (got {list(per_layer)})") from e
     if set(keyed) != full_layers:
-        raise ValueError(f"text_config.per_layer_config overrides layers {sorted(keyed)}, but the full-attention "
-                         f"layers are {sorted(full_layers)}; dgemma supports the Gemma 4 form only")
+        raise ValueError(
+            f"text_config.per_layer_config overrides layers {sorted(keyed)}, but the full-attention "
+            f"layers are {sorted(full_layers)}; dgemma supports the Gemma 4 form only"
+        )
     values = {json.dumps(v, sort_keys=True) for v in keyed.values()}
     if len(values) != 1:
         raise ValueError("text_config.per_layer_config must give every full-attention layer the same override")
@@ -291,11 +312,15 @@ class DiffusionGemmaConfig:
     def from_dict(cls, d: dict[str, Any]) -> DiffusionGemmaConfig:
         model_type = d.get("model_type")
         if model_type != "diffusion_gemma":
-            raise ValueError(f"config.json has model_type {model_type!r}; dgemma loads 'diffusion_gemma' "
-                             "checkpoints (DiffusionGemmaForBlockDiffusion)")
+            raise ValueError(
+                f"config.json has model_type {model_type!r}; dgemma loads 'diffusion_gemma' "
+                "checkpoints (DiffusionGemmaForBlockDiffusion)"
+            )
         if d.get("tie_word_embeddings") is False:
-            raise ValueError("config.json sets tie_word_embeddings=false; DiffusionGemma ties the LM head to the "
-                             "embeddings and shares the encoder and decoder weights")
+            raise ValueError(
+                "config.json sets tie_word_embeddings=false; DiffusionGemma ties the LM head to the "
+                "embeddings and shares the encoder and decoder weights"
+            )
         text = d.get("text_config")
         if not isinstance(text, dict):
             raise ValueError("config.json has no text_config object")
@@ -401,28 +426,57 @@ class GenerationConfig:
 # ------------------------------------------------------------------------------------------------
 # Presets: the real model, and small models for tests, benchmarks and the project's own training.
 
+
 def _preset_26b_a4b() -> DiffusionGemmaConfig:
     return DiffusionGemmaConfig(text_config=TextConfig(), canvas_length=256)
 
 
 def _preset_tiny(dense: bool = False) -> DiffusionGemmaConfig:
-    moe = dict(num_experts=None, top_k_experts=None, moe_intermediate_size=None) if dense else dict(
-        num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    text = TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                      num_global_key_value_heads=1, sliding_window=32, max_position_embeddings=4096,
-                      **moe)
-    return DiffusionGemmaConfig(text_config=text, canvas_length=16, boi_token_id=None, eoi_token_id=None,
-                                image_token_id=None)
+    moe = (
+        dict(num_experts=None, top_k_experts=None, moe_intermediate_size=None)
+        if dense
+        else dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    )
+    text = TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=32,
+        max_position_embeddings=4096,
+        **moe,
+    )
+    return DiffusionGemmaConfig(
+        text_config=text, canvas_length=16, boi_token_id=None, eoi_token_id=None, image_token_id=None
+    )
 
 
 def _preset_small() -> DiffusionGemmaConfig:
-    text = TextConfig(vocab_size=32_768, hidden_size=512, intermediate_size=1024, num_hidden_layers=10,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, global_head_dim=128,
-                      num_global_key_value_heads=1, sliding_window=512, max_position_embeddings=32_768,
-                      num_experts=8, top_k_experts=2, moe_intermediate_size=256)
-    return DiffusionGemmaConfig(text_config=text, canvas_length=64, boi_token_id=None, eoi_token_id=None,
-                                image_token_id=None)
+    text = TextConfig(
+        vocab_size=32_768,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        global_head_dim=128,
+        num_global_key_value_heads=1,
+        sliding_window=512,
+        max_position_embeddings=32_768,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=256,
+        layer_types=([SLIDING] * 4 + [FULL]) * 2,
+    )
+    return DiffusionGemmaConfig(
+        text_config=text, canvas_length=64, boi_token_id=None, eoi_token_id=None, image_token_id=None
+    )
 
 
 PRESETS = {

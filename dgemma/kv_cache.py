@@ -23,8 +23,15 @@ from .config import FULL, SLIDING, TextConfig
 class KVCache:
     """Fixed-shape keys/values for every layer, plus which positions of each row are real tokens."""
 
-    def __init__(self, config: TextConfig, batch_size: int, max_length: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: TextConfig,
+        batch_size: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if batch_size <= 0 or max_length <= 0:
             raise ValueError(f"batch_size and max_length must be positive (got {batch_size}, {max_length})")
         self.batch_size = batch_size
@@ -63,19 +70,24 @@ class KVCache:
         n = self._num_cached(sliding)
         return torch.arange(self.length - n, self.length, device=self.device)
 
-    def prepare_encode(self, num_tokens: int, attention_mask: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    def prepare_encode(
+        self, num_tokens: int, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
         start, end = self.length, self.length + num_tokens
         if end > self.max_length:
-            raise ValueError(f"the KV cache holds {self.max_length} positions; {self.length} are used and "
-                             f"{num_tokens} more do not fit (make the cache larger)")
+            raise ValueError(
+                f"the KV cache holds {self.max_length} positions; {self.length} are used and "
+                f"{num_tokens} more do not fit (make the cache larger)"
+            )
         if attention_mask is None:
             self.valid[:, start:end] = True
         else:
             if attention_mask.shape != (self.batch_size, num_tokens):
-                raise ValueError(f"attention_mask must have shape {(self.batch_size, num_tokens)} "
-                                 f"(got {tuple(attention_mask.shape)})")
+                raise ValueError(
+                    f"attention_mask must have shape {(self.batch_size, num_tokens)} "
+                    f"(got {tuple(attention_mask.shape)})"
+                )
             self.valid[:, start:end] = attention_mask.to(device=self.device, dtype=torch.bool)
         self._pending = num_tokens
         q = torch.arange(start, end, device=self.device)
@@ -110,14 +122,14 @@ class KVCache:
         t = k.shape[2]
         if not self.is_sliding[i]:
             end = self.length + t
-            self.keys[i][:, :, self.length:end] = k
-            self.values[i][:, :, self.length:end] = v
+            self.keys[i][:, :, self.length : end] = k
+            self.values[i][:, :, self.length : end] = v
             return self.keys[i][:, :, :end], self.values[i][:, :, :end]
         keys, values = self.with_prefix(i, k, v)
         slots = self.keys[i].shape[2]
         m = min(keys.shape[2], slots)  # right-align the newest m positions
-        self.keys[i][:, :, slots - m:] = keys[:, :, -m:]
-        self.values[i][:, :, slots - m:] = values[:, :, -m:]
+        self.keys[i][:, :, slots - m :] = keys[:, :, -m:]
+        self.values[i][:, :, slots - m :] = values[:, :, -m:]
         return keys, values
 
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +137,7 @@ class KVCache:
         n = self._num_cached(self.is_sliding[i])
         if self.is_sliding[i]:
             slots = self.keys[i].shape[2]
-            past_k, past_v = self.keys[i][:, :, slots - n:], self.values[i][:, :, slots - n:]
+            past_k, past_v = self.keys[i][:, :, slots - n :], self.values[i][:, :, slots - n :]
         else:
             past_k, past_v = self.keys[i][:, :, :n], self.values[i][:, :, :n]
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)

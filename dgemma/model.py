@@ -53,8 +53,14 @@ class RMSNorm(nn.Module):
         return h.type_as(x)
 
 
+def embed_scale(hidden_size: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """sqrt(M) as an fp32 scalar rounded to `dtype`, as the reference does (sqrt(3072) is 55.5 in bf16)."""
+    return torch.tensor(hidden_size**0.5, dtype=torch.float32, device=device).to(dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # Rotary position embedding
+
 
 def rope_inv_freq(spec: LayerSpec, device: torch.device | None = None) -> torch.Tensor:
     """Inverse frequencies [D/2] of one layer type.
@@ -86,6 +92,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ------------------------------------------------------------------------------------------------
 # Attention
+
 
 class Attention(nn.Module):
     """Gemma 4 attention: q/k RMSNorm before RoPE, v_norm without weight, scale 1.0, GQA.
@@ -128,13 +135,15 @@ class Attention(nn.Module):
             keys, values = cache.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
         else:
             keys, values = cache.with_prefix(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != keys.shape[1]
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 # ------------------------------------------------------------------------------------------------
 # Feed-forward: a dense GeGLU MLP and a routed mixture of experts, side by side
+
 
 class MLP(nn.Module):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
@@ -221,8 +230,9 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: torch.Tensor, cos_sin, cache: KVCache, mask: torch.Tensor | None,
-                is_encoder: bool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos_sin, cache: KVCache, mask: torch.Tensor | None, is_encoder: bool
+    ) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos_sin, cache, mask, writes_cache=is_encoder)
         r = x + self.post_attention_layernorm(h)
         ff = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
@@ -258,6 +268,7 @@ class SelfConditioning(nn.Module):
 
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class EncodeOutput:
     hidden_states: torch.Tensor  # [B, T, M], after the final norm
@@ -291,8 +302,7 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens.weight.device
 
     def embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
-        """sqrt(M), rounded to `dtype` first as the reference does (sqrt(3072) is 55.5 in bf16)."""
-        return torch.tensor(self.text_config.embed_scale, dtype=torch.float32, device=self.device).to(dtype)
+        return embed_scale(self.text_config.hidden_size, dtype, self.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale(self.dtype)
@@ -305,8 +315,14 @@ class DiffusionGemma(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                    masks: dict[str, torch.Tensor | None], is_encoder: bool) -> torch.Tensor:
+    def _run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        masks: dict[str, torch.Tensor | None],
+        is_encoder: bool,
+    ) -> torch.Tensor:
         cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items() if spec}
         for layer, lt in zip(self.layers, self.text_config.layer_types, strict=True):
             x = layer(x, cos_sin[lt], cache, masks[lt], is_encoder)
@@ -324,10 +340,14 @@ class DiffusionGemma(nn.Module):
     ) -> EncodeOutput:
         """Causal pass over new tokens at positions cache.length ...; appends their keys/values to `cache`."""
         if images is not None:
-            raise ValueError("image input is not supported: dgemma runs DiffusionGemma's text model only "
-                             "(the vision tower is not implemented)")
+            raise ValueError(
+                "image input is not supported: dgemma runs DiffusionGemma's text model only "
+                "(the vision tower is not implemented)"
+            )
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})")
+            raise ValueError(
+                f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})"
+            )
         self._check_ids(input_ids)
         positions, masks = cache.prepare_encode(input_ids.shape[1], attention_mask)
         hidden = self._run_layers(self.embed(input_ids), positions, cache, masks, is_encoder=True)
@@ -360,11 +380,18 @@ class DiffusionGemma(nn.Module):
         return self.lm_head(hidden)
 
     # -- helpers -------------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int, max_length: int, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> KVCache:
+    def new_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
         """A preallocated KV cache for `batch_size` rows of up to `max_length` positions."""
-        return KVCache(self.text_config, batch_size, max_length, dtype=dtype or self.dtype,
-                       device=device or self.device)
+        return KVCache(
+            self.text_config, batch_size, max_length, dtype=dtype or self.dtype, device=device or self.device
+        )
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
@@ -374,8 +401,10 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"token ids must lie in [0, {self.text_config.vocab_size}) (got {lo}..{hi})")
         image_id = self.config.image_token_id
         if image_id is not None and image_id < self.text_config.vocab_size and bool((ids == image_id).any()):
-            raise ValueError(f"input contains image placeholder tokens (id {image_id}); dgemma runs the text "
-                             "model only and cannot take image input")
+            raise ValueError(
+                f"input contains image placeholder tokens (id {image_id}); dgemma runs the text "
+                "model only and cannot take image input"
+            )
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -406,8 +435,13 @@ class DiffusionGemma(nn.Module):
         return {"total": total, "active": total - inactive}
 
 
-def build(config: DiffusionGemmaConfig, *, device: torch.device | str = "cpu",
-          dtype: torch.dtype = torch.float32, seed: int | None = 0) -> DiffusionGemma:
+def build(
+    config: DiffusionGemmaConfig,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+) -> DiffusionGemma:
     """A randomly initialised model (on `device` = "meta", an empty shell that allocates nothing)."""
     with torch.device(device):
         model = DiffusionGemma(config)

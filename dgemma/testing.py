@@ -14,20 +14,49 @@ from typing import Any
 
 import torch
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>",
-                  "<|channel>", "<channel|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+]
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "gemma4_chat.jinja"
 
-TINY_VISION = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+TINY_VISION = dict(
+    model_type="gemma4_vision",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 def tiny_text_kwargs(**overrides: Any) -> dict[str, Any]:
     """transformers DiffusionGemmaTextConfig arguments for a ~0.5M-parameter model (6 layers, 4 experts)."""
-    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-              num_global_key_value_heads=1, sliding_window=16, num_experts=4, top_k_experts=2,
-              moe_intermediate_size=32, max_position_embeddings=4096)
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=16,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=4096,
+    )
     kw.update(overrides)
     return kw
 
@@ -96,16 +125,26 @@ def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer)
-    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-               "mask_token": "<mask>"}
+    special = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
     return Tokenizer(tok, special, TEMPLATE_PATH.read_text())
 
 
 # ------------------------------------------------------------------------------------------------
 # Side-by-side runs against the oracle (used by tests/test_parity.py and benchmarks/parity.py)
+
 
 def _valid_kv_diff(ours_k: torch.Tensor, theirs_k: torch.Tensor, valid: torch.Tensor) -> float:
     """Max |diff| over positions that are real tokens in every row ([B, H, S, D] aligned on the right)."""
@@ -132,7 +171,7 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     ids = torch.randint(3, vocab, (b, t), generator=g)
     mask = torch.zeros(b, t, dtype=torch.long)
     for row, n in enumerate(prompt_lengths):
-        mask[row, t - n:] = 1
+        mask[row, t - n :] = 1
     padded = bool((mask == 0).any())
     canvas = torch.randint(0, vocab, (b, c), generator=g)
     dtype = model.dtype
@@ -149,11 +188,18 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     valid = row_valid(mask)
     out["prefill_hidden"] = (enc.hidden_states.float() - ref_enc.float()).abs()[valid].max().item()
     out["prefill_kv"] = max(
-        max(_valid_kv_diff(cache.keys[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.keys[i],
-                           layer.keys, valid),
-            _valid_kv_diff(cache.values[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.values[i],
-                           layer.values, valid))
-        for i, layer in enumerate(pkv.layers))
+        max(
+            _valid_kv_diff(
+                cache.keys[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.keys[i], layer.keys, valid
+            ),
+            _valid_kv_diff(
+                cache.values[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.values[i],
+                layer.values,
+                valid,
+            ),
+        )
+        for i, layer in enumerate(pkv.layers)
+    )
 
     def dec_mask(extra: int) -> dict:
         return {"decoder_attention_mask": torch.nn.functional.pad(mask, (0, extra), value=1)} if padded else {}
@@ -178,19 +224,38 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     ref2 = oracle(past_key_values=pkv, decoder_input_ids=canvas2, **dec_mask(c)).logits
     out["logits_canvas2"] = (model.denoise(canvas2, cache) - ref2).abs().max().item()
     sc2 = (ref2 / 0.5).to(dtype)
-    ref2_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas2, self_conditioning_logits=sc2,
-                     **dec_mask(c)).logits
+    ref2_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas2, self_conditioning_logits=sc2, **dec_mask(c)).logits
     out["logits_canvas2_sc"] = (model.denoise(canvas2, cache, sc2) - ref2_sc).abs().max().item()
     return out
 
 
-PARITY_SCENARIOS = {
-    # name: (prompt lengths per row, commit a canvas and denoise a second one)
-    "short_prompt": ([10], False),
-    "long_prompt": ([40], False),  # longer than the sliding window (16)
-    "second_canvas": ([12], True),
-    "batch_left_padding": ([40, 27], True),
-}
+def parity_scenarios(window: int) -> dict[str, tuple[list[int], bool]]:
+    """name -> (prompt lengths per row, commit a canvas and denoise a second one), sized to the window."""
+    return {
+        "short_prompt": ([window // 2 + 2], False),
+        "long_prompt": ([5 * window // 2], False),  # longer than the sliding window
+        "second_canvas": ([3 * window // 4], True),
+        "batch_left_padding": ([5 * window // 2, 5 * window // 3], True),
+    }
+
+
+PARITY_SCENARIOS = parity_scenarios(16)  # for the tiny checkpoints (sliding window 16)
+
+MEDIUM_TEXT = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=2,
+    sliding_window=64,
+    num_experts=16,
+    top_k_experts=4,
+    moe_intermediate_size=128,
+)
 
 
 def dense_checkpoint_from_oracle(src: str | Path, dst: str | Path) -> Path:
@@ -202,9 +267,13 @@ def dense_checkpoint_from_oracle(src: str | Path, dst: str | Path) -> Path:
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     moe_parts = (".router.", ".experts.", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
-    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
-               if not any(p in k for p in moe_parts) and not k.startswith("model.encoder.vision_tower")
-               and not k.startswith("model.encoder.embed_vision")}
+    tensors = {
+        k: v
+        for k, v in load_file(str(src / "model.safetensors")).items()
+        if not any(p in k for p in moe_parts)
+        and not k.startswith("model.encoder.vision_tower")
+        and not k.startswith("model.encoder.embed_vision")
+    }
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["text_config"].update(num_experts=None, top_k_experts=None, moe_intermediate_size=None)

@@ -53,8 +53,9 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment chat templates are written for."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -89,8 +90,9 @@ def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Tokenizer:
     """Text <-> token ids, special tokens, and the chat template, for one checkpoint."""
 
-    def __init__(self, tokenizer: _HFTokenizer, special_tokens: dict[str, str] | None = None,
-                 chat_template: str | None = None):
+    def __init__(
+        self, tokenizer: _HFTokenizer, special_tokens: dict[str, str] | None = None, chat_template: str | None = None
+    ):
         self._tok = tokenizer
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
@@ -175,21 +177,35 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat -------------------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    enable_thinking: bool | None = None, tools: list[dict] | None = None, **kwargs: Any) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text the checkpoint's chat template makes of `messages`.
 
         `enable_thinking` is passed to the template only when given (templates may default it either way).
         """
         if self._compiled is None:
-            raise ValueError("this tokenizer has no chat template (no chat_template.jinja and no chat_template "
-                             "in tokenizer_config.json); pass raw text instead")
+            raise ValueError(
+                "this tokenizer has no chat template (no chat_template.jinja and no chat_template "
+                "in tokenizer_config.json); pass raw text instead"
+            )
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         try:
-            return self._compiled.render(messages=_check_messages(messages), tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            return self._compiled.render(
+                messages=_check_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **kwargs,
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
 

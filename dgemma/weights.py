@@ -38,9 +38,12 @@ _ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -61,11 +64,13 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 # ------------------------------------------------------------------------------------------------
 # Reading
 
+
 def _refuse_pickle(path: Path) -> None:
     raise ValueError(
         f"{path} is a pickle file; dgemma loads safetensors only, because unpickling a file can run "
         "arbitrary code. Convert it once in a trusted environment (e.g. transformers' save_pretrained "
-        "with safe_serialization=True) and load the model.safetensors it writes.")
+        "with safe_serialization=True) and load the model.safetensors it writes."
+    )
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -132,9 +137,9 @@ def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], lis
         elif (m := _ENC_SCALAR.match(name)) is not None:
             primary[f"layers.{m.group(1)}.encoder_layer_scalar"] = name
         elif name.startswith(DEC):
-            primary[name[len(DEC):]] = name
+            primary[name[len(DEC) :]] = name
         elif name.startswith(ENC):
-            tied[name] = name[len(ENC):]
+            tied[name] = name[len(ENC) :]
         elif name == "lm_head.weight":
             tied[name] = "embed_tokens.weight"
         else:
@@ -142,7 +147,8 @@ def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], lis
     # A checkpoint may store a tied tensor only on the encoder side; then that copy is the primary.
     for hf, ours in list(tied.items()):
         if ours not in primary and hf != "lm_head.weight":
-            primary[ours] = tied.pop(hf)
+            primary[ours] = hf
+            del tied[hf]
     return primary, tied, vision, unknown
 
 
@@ -173,23 +179,31 @@ def load(
     missing = sorted(set(expected) - set(primary))
     unexpected = sorted(unknown + [primary[n] for n in set(primary) - set(expected)])
     unexpected += sorted(hf for hf, ours in tied.items() if ours not in expected)
-    wrong_shape = [f"{primary[n]}: checkpoint {source.shape(primary[n])}, model {expected[n]}"
-                   for n in sorted(set(primary) & set(expected)) if source.shape(primary[n]) != expected[n]]
-    wrong_shape += [f"{hf}: checkpoint {source.shape(hf)}, model {expected[ours]}"
-                    for hf, ours in sorted(tied.items()) if ours in expected and source.shape(hf) != expected[ours]]
+    wrong_shape = [
+        f"{primary[n]}: checkpoint {source.shape(primary[n])}, model {expected[n]}"
+        for n in sorted(set(primary) & set(expected))
+        if source.shape(primary[n]) != expected[n]
+    ]
+    wrong_shape += [
+        f"{hf}: checkpoint {source.shape(hf)}, model {expected[ours]}"
+        for hf, ours in sorted(tied.items())
+        if ours in expected and source.shape(hf) != expected[ours]
+    ]
     if missing or unexpected or wrong_shape:
         parts = []
         if missing:
-            parts.append(f"missing tensors ({len(missing)}): "
-                         + ", ".join(_hf_name(n) for n in missing))
+            parts.append(f"missing tensors ({len(missing)}): " + _listing([_hf_name(n) for n in missing], ", "))
         if unexpected:
-            parts.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+            parts.append(f"unexpected tensors ({len(unexpected)}): " + _listing(unexpected, ", "))
         if wrong_shape:
-            parts.append(f"wrong shapes ({len(wrong_shape)}): " + "; ".join(wrong_shape))
+            parts.append(f"wrong shapes ({len(wrong_shape)}): " + _listing(wrong_shape, "; "))
         raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
     if vision:
-        warnings.warn(f"{directory}: skipping the vision tower ({len(vision)} tensors); dgemma runs the text "
-                      "model only and cannot take image input", stacklevel=2)
+        warnings.warn(
+            f"{directory}: skipping the vision tower ({len(vision)} tensors); dgemma runs the text "
+            "model only and cannot take image input",
+            stacklevel=2,
+        )
 
     target = resolve_dtype(dtype)
     if target is None:
@@ -202,12 +216,19 @@ def load(
     if verify_tied:
         for hf, ours in tied.items():
             if not torch.equal(source.get(hf).to(device=device, dtype=target), state[ours]):
-                raise ValueError(f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
-                                 "DiffusionGemma shares these weights between encoder and decoder")
+                raise ValueError(
+                    f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
+                    "DiffusionGemma shares these weights between encoder and decoder"
+                )
     model.load_state_dict(state, strict=True, assign=True)
     model.generation_config = GenerationConfig.from_file(directory)
     model.eval()
     return model
+
+
+def _listing(items: list[str], sep: str, limit: int = 12) -> str:
+    more = f"{sep}... (+{len(items) - limit} more)" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
 
 
 def _hf_name(ours: str) -> str:
@@ -223,6 +244,7 @@ def hf_state_dict(model: DiffusionGemma) -> Iterator[tuple[str, torch.Tensor]]:
 
 # ------------------------------------------------------------------------------------------------
 # Writing
+
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -27,4 +27,3 @@ def dense_ckpt(tmp_path_factory):
     """A tiny oracle whose experts add exactly zero (down_proj = 0), for dense-only comparisons."""
     d = tmp_path_factory.mktemp("dense")
     return d, make_oracle_checkpoint(d, seed=1, dense=True)
-

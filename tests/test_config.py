@@ -1,0 +1,167 @@
+"""Configuration: reading checkpoints' JSON, presets, derived per-layer values, validation, counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dgemma import build, preset
+from dgemma.config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters
+
+
+def test_26b_a4b_on_meta_reports_published_counts():
+    config = preset("26b-a4b")
+    model = build(config, device="meta")
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    counts = model.num_parameters()
+    assert counts == count_parameters(config)
+    assert 25.1e9 < counts["total"] < 25.3e9  # "25.2B total"
+    assert 3.75e9 < counts["active"] < 3.9e9  # "3.8B active"
+
+
+def test_26b_a4b_layer_layout():
+    t = preset("26b-a4b").text_config
+    assert t.layer_types == ([SLIDING] * 5 + [FULL]) * 5
+    s, g = t.layer(0), t.layer(5)
+    assert (s.head_dim, s.num_key_value_heads, s.sliding_window, s.rope_theta) == (256, 8, 1024, 1e4)
+    assert (g.head_dim, g.num_key_value_heads, g.sliding_window, g.rope_theta) == (512, 2, None, 1e6)
+    assert g.rope_type == "proportional" and g.partial_rotary_factor == 0.25 and not g.has_v_proj
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-dense", "small"])
+def test_small_presets_build_and_run(name):
+    config = preset(name)
+    model = build(config)
+    counts = model.num_parameters()
+    assert counts == count_parameters(config)
+    if name == "small":
+        assert config.text_config.vocab_size == 32_768 and 60e6 < counts["total"] < 80e6
+    cache = model.new_cache(1, 32)
+    model.encode(torch.tensor([[1, 2, 3]]), cache)
+    logits = model.denoise(torch.zeros(1, config.canvas_length, dtype=torch.long), cache)
+    assert logits.shape == (1, config.canvas_length, config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_reads_transformers_config_json(moe_ckpt):
+    config = DiffusionGemmaConfig.from_file(moe_ckpt[0])
+    ref = moe_ckpt[1].config.text_config
+    t = config.text_config
+    assert (t.hidden_size, t.num_hidden_layers, t.sliding_window, t.num_experts) == (
+        ref.hidden_size,
+        ref.num_hidden_layers,
+        ref.sliding_window,
+        ref.num_experts,
+    )
+    assert t.layer_types == list(ref.layer_types)
+    for i in range(t.num_hidden_layers):
+        assert t.layer(i).head_dim == ref.per_layer_config[i].head_dim
+        assert t.layer(i).num_key_value_heads == ref.per_layer_config[i].num_key_value_heads
+    assert config.canvas_length == 8 and config.vision_config is not None
+
+
+def test_written_config_reads_back_in_transformers():
+    from transformers import DiffusionGemmaConfig as HFConfig
+
+    ours = preset("26b-a4b")
+    theirs = HFConfig(**{k: v for k, v in ours.to_dict().items() if k != "architectures"})
+    assert theirs.text_config.per_layer_config[5].head_dim == 512
+    assert theirs.text_config.per_layer_config[5].num_key_value_heads == 2
+    assert theirs.text_config.per_layer_config[0].head_dim == 256
+    assert DiffusionGemmaConfig.from_dict(ours.to_dict()) == ours
+
+
+def test_global_head_dim_form_and_defaults():
+    base = {
+        "model_type": "diffusion_gemma",
+        "text_config": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "vocab_size": 300,
+        },
+    }
+    c = DiffusionGemmaConfig.from_dict(base)
+    assert c.text_config.global_head_dim == 512 and c.text_config.layer(5).num_key_value_heads == 2
+    base["text_config"].update(global_head_dim=32, num_global_key_value_heads=1)
+    c = DiffusionGemmaConfig.from_dict(base)
+    assert (c.text_config.layer(5).head_dim, c.text_config.layer(5).num_key_value_heads) == (32, 1)
+    base["text_config"]["attention_k_eq_v"] = False
+    assert DiffusionGemmaConfig.from_dict(base).text_config.layer(5).num_key_value_heads == 2
+
+
+def test_last_layer_forced_global_like_the_reference():
+    with pytest.warns(UserWarning, match="last layer"):
+        t = TextConfig(num_hidden_layers=4, layer_types=[SLIDING] * 4)
+    assert t.layer_types[-1] == FULL
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"layer_types": ["sliding_attention", "chunked", "full_attention"], "num_hidden_layers": 3}, "layer_types"),
+        ({"num_experts": 4, "top_k_experts": None}, "dense-only"),
+        ({"top_k_experts": 9, "num_experts": 4}, "exceeds num_experts"),
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"head_dim": 15}, "even"),
+        ({"hidden_size": 0}, "positive integer"),
+        ({"eos_token_id": 10**9}, "outside the vocabulary"),
+        (
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "yarn", "rope_theta": 1.0},
+                    "full_attention": {"rope_theta": 1.0},
+                }
+            },
+            "rope_type",
+        ),
+    ],
+)
+def test_validation_errors_name_the_field(change, message):
+    d = preset("tiny").text_config.to_dict()
+    d.pop("per_layer_config")
+    d.update(change)
+    with pytest.raises(ValueError, match=message):
+        TextConfig.from_dict(d)
+
+
+def test_rejects_other_model_types_and_bidirectional_encoder(tmp_path):
+    with pytest.raises(ValueError, match="model_type 'gemma4'"):
+        DiffusionGemmaConfig.from_dict({"model_type": "gemma4", "text_config": {}})
+    d = preset("tiny").to_dict()
+    d["text_config"]["use_bidirectional_attention"] = "all"
+    with pytest.raises(ValueError, match="encoder is causal"):
+        DiffusionGemmaConfig.from_dict(d)
+    d = preset("tiny").to_dict()
+    d["text_config"]["per_layer_config"] = {"0": {"head_dim": 8}}
+    with pytest.raises(ValueError, match="full-attention layers are"):
+        DiffusionGemmaConfig.from_dict(d)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "diffusion_gemma"}))
+    with pytest.raises(ValueError, match="no text_config"):
+        DiffusionGemmaConfig.from_file(tmp_path)
+
+
+def test_generation_config_defaults_and_validation(tmp_path):
+    assert GenerationConfig.from_file(tmp_path) == GenerationConfig()  # absent file: reference defaults
+    g = GenerationConfig()
+    assert (g.max_denoising_steps, g.entropy_bound, g.t_min, g.t_max) == (48, 0.1, 0.4, 0.8)
+    assert (g.stability_threshold, g.confidence_threshold, g.max_new_tokens) == (1, 0.005, 256)
+    with pytest.raises(ValueError, match="t_min < t_max"):
+        GenerationConfig(t_min=0.9, t_max=0.8)
+    with pytest.raises(ValueError, match="max_denoising_steps"):
+        GenerationConfig(max_denoising_steps=0)
+    assert GenerationConfig.from_dict(GenerationConfig(entropy_bound=0.3).to_dict()).entropy_bound == 0.3
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset("huge")
