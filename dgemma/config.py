@@ -447,12 +447,12 @@ def _preset_tiny(dense: bool = False) -> DiffusionGemmaConfig:
         head_dim=16,
         global_head_dim=32,
         num_global_key_value_heads=1,
-        sliding_window=32,
+        sliding_window=16,
         max_position_embeddings=4096,
         **moe,
     )
     return DiffusionGemmaConfig(
-        text_config=text, canvas_length=16, boi_token_id=None, eoi_token_id=None, image_token_id=None
+        text_config=text, canvas_length=8, boi_token_id=None, eoi_token_id=None, image_token_id=None
     )
 
 

@@ -49,6 +49,7 @@ class KVCache:
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
             self.is_sliding.append(spec.is_sliding)
         self._pending = 0  # tokens of the encode call in progress
+        self.has_padding = False  # whether any written position is padding (decides if denoise needs masks)
 
     @property
     def device(self) -> torch.device:
@@ -60,7 +61,12 @@ class KVCache:
     def reset(self) -> None:
         """Forget everything (the buffers are kept and overwritten by the next encode)."""
         self.length = 0
+        self.has_padding = False
         self.valid.zero_()
+
+    def _check_batch(self, batch_size: int) -> None:
+        if batch_size != self.batch_size:
+            raise ValueError(f"batch of {batch_size} rows, but the KV cache was made for {self.batch_size}")
 
     # -- positions and masks, built once per call and shared by all layers of a type ------------------
     def _num_cached(self, layer_sliding: bool) -> int:
@@ -71,9 +77,10 @@ class KVCache:
         return torch.arange(self.length - n, self.length, device=self.device)
 
     def prepare_encode(
-        self, num_tokens: int, attention_mask: torch.Tensor | None
+        self, batch_size: int, num_tokens: int, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
+        self._check_batch(batch_size)
         start, end = self.length, self.length + num_tokens
         if end > self.max_length:
             raise ValueError(
@@ -89,6 +96,7 @@ class KVCache:
                     f"(got {tuple(attention_mask.shape)})"
                 )
             self.valid[:, start:end] = attention_mask.to(device=self.device, dtype=torch.bool)
+            self.has_padding = self.has_padding or not bool(self.valid[:, start:end].all())
         self._pending = num_tokens
         q = torch.arange(start, end, device=self.device)
         masks: dict[str, torch.Tensor | None] = {}
@@ -102,15 +110,18 @@ class KVCache:
             masks[layer_type] = allowed[:, None]
         return q, masks
 
-    def prepare_denoise(self, canvas_length: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    def prepare_denoise(
+        self, batch_size: int, canvas_length: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Positions of a canvas placed after the cache, and its bidirectional masks (None: no padding)."""
+        self._check_batch(batch_size)
         q = torch.arange(self.length, self.length + canvas_length, device=self.device)
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
-            prefix_valid = self.valid[:, self._prefix_positions(sliding)]  # [B, S_prefix]
-            if bool(prefix_valid.all()):
+            if not self.has_padding:  # every key is visible: no mask, no device sync
                 masks[layer_type] = None
                 continue
+            prefix_valid = self.valid[:, self._prefix_positions(sliding)]  # [B, S_prefix]
             canvas_valid = prefix_valid.new_ones(self.batch_size, canvas_length)
             allowed = torch.cat([prefix_valid, canvas_valid], dim=1)  # [B, S]
             masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)

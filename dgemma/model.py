@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, LayerSpec, TextConfig
+from .config import DiffusionGemmaConfig, GenerationConfig, LayerSpec, TextConfig
 from .kv_cache import KVCache
 
 
@@ -288,9 +288,7 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
-        self._specs = {SLIDING: None, FULL: None}
-        for i, lt in enumerate(t.layer_types):
-            self._specs[lt] = t.layer(i)
+        self._specs = {lt: t.layer(i) for i, lt in enumerate(t.layer_types)}  # one LayerSpec per layer type
 
     # -- pieces shared by both verbs -----------------------------------------------------------------
     @property
@@ -323,7 +321,7 @@ class DiffusionGemma(nn.Module):
         masks: dict[str, torch.Tensor | None],
         is_encoder: bool,
     ) -> torch.Tensor:
-        cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items() if spec}
+        cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items()}
         for layer, lt in zip(self.layers, self.text_config.layer_types, strict=True):
             x = layer(x, cos_sin[lt], cache, masks[lt], is_encoder)
         return self.norm(x)
@@ -349,7 +347,7 @@ class DiffusionGemma(nn.Module):
                 f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})"
             )
         self._check_ids(input_ids)
-        positions, masks = cache.prepare_encode(input_ids.shape[1], attention_mask)
+        positions, masks = cache.prepare_encode(*input_ids.shape, attention_mask)
         hidden = self._run_layers(self.embed(input_ids), positions, cache, masks, is_encoder=True)
         cache.commit(input_ids.shape[1])
         return EncodeOutput(hidden, self.lm_head(hidden) if return_logits else None)
@@ -375,7 +373,7 @@ class DiffusionGemma(nn.Module):
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(embeds, soft)
-        positions, masks = cache.prepare_denoise(canvas_ids.shape[1])
+        positions, masks = cache.prepare_denoise(*canvas_ids.shape)
         hidden = self._run_layers(x, positions, cache, masks, is_encoder=False)
         return self.lm_head(hidden)
 

@@ -40,24 +40,15 @@ TINY_VISION = dict(
 
 
 def tiny_text_kwargs(**overrides: Any) -> dict[str, Any]:
-    """transformers DiffusionGemmaTextConfig arguments for a ~0.5M-parameter model (6 layers, 4 experts)."""
-    kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        sliding_window=16,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        max_position_embeddings=4096,
-    )
-    kw.update(overrides)
+    """transformers DiffusionGemmaTextConfig arguments: dgemma's `tiny` preset with `overrides`, as
+    dgemma writes them to config.json (so every oracle checkpoint also checks that transformers reads it)."""
+    import dataclasses
+
+    from .config import preset
+
+    text = dataclasses.replace(preset("tiny").text_config, layer_types=None, **overrides)
+    kw = text.to_dict()
+    kw.pop("model_type")
     return kw
 
 

@@ -76,6 +76,10 @@ def test_errors_are_clear():
         m.encode(torch.ones(1, 2, dtype=torch.long), cache, attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match="must be positive"):
         m.new_cache(0, 8)
+    with pytest.raises(ValueError, match="batch of 2 rows, but the KV cache was made for 1"):
+        m.encode(torch.ones(2, 3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="batch of 3 rows"):
+        m.denoise(torch.ones(3, 8, dtype=torch.long), cache)
     assert cache.length == 0, "failed calls leave the cache as it was"
 
 
