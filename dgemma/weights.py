@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,13 +160,15 @@ def load(
     dtype: torch.dtype | str | None = "auto",
     device: torch.device | str = "cpu",
     verify_tied: bool = True,
+    progress: bool = False,
 ) -> DiffusionGemma:
     """Load a Hugging Face-format DiffusionGemma checkpoint directory into a dgemma model.
 
     The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
     so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
     or 'auto' to keep the stored dtype. Missing, unexpected or wrongly shaped tensors raise one
-    ValueError that names them all. With `verify_tied`, tied copies stored twice are checked equal.
+    ValueError that names them all. With `verify_tied`, tied copies stored twice are checked equal (this
+    reads both copies). With `progress`, a one-line progress report goes to stderr.
     """
     directory = Path(path)
     files = _weight_files(directory)
@@ -211,8 +215,13 @@ def load(
         if target not in _DTYPE_NAMES:
             target = torch.float32
     state = {}
+    report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     for ours, hf in primary.items():
         state[ours] = source.get(hf).to(device=device, dtype=target)
+        if report:
+            report.step(state[ours].nbytes)
+    if report:
+        report.done()
     if verify_tied:
         for hf, ours in tied.items():
             if not torch.equal(source.get(hf).to(device=device, dtype=target), state[ours]):
@@ -224,6 +233,31 @@ def load(
     model.generation_config = GenerationConfig.from_file(directory)
     model.eval()
     return model
+
+
+class _Progress:
+    """A dependency-free progress line on stderr: tensors done, GB read, elapsed seconds."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.count, self.nbytes = total, label, 0, 0
+        self.start = self.last = time.monotonic()
+
+    def step(self, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        now = time.monotonic()
+        if now - self.last > 0.5 or self.count == self.total:
+            self.last = now
+            print(
+                f"\r{self.label}: {self.count}/{self.total} tensors, {self.nbytes / 1e9:.2f} GB, "
+                f"{now - self.start:.0f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def done(self) -> None:
+        print(file=sys.stderr, flush=True)
 
 
 def _listing(items: list[str], sep: str, limit: int = 12) -> str:

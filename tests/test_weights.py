@@ -209,3 +209,9 @@ def test_generation_config_is_read_and_written(moe_ckpt, tmp_path):
     assert (gen.max_denoising_steps, gen.entropy_bound, gen.t_min, gen.eos_token_id) == (32, 0.2, 0.4, [1, 106])
     dgemma.save(model, tmp_path / "out")
     assert dgemma.GenerationConfig.from_file(tmp_path / "out") == gen
+
+
+def test_progress_line(moe_ckpt, capfd):
+    load_quiet(moe_ckpt[0], progress=True)
+    err = capfd.readouterr().err
+    assert "loading" in err and "tensors" in err and err.endswith("\n")
