@@ -7,7 +7,10 @@ model.encode(prompt_ids, cache)                       # causal prefill, writes t
 logits = model.denoise(canvas_ids, cache)             # one bidirectional denoising step
 """
 
+from .ar import generate_ar, stream_ar
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters, preset
+from .editing import edit, fill, infill
+from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
 from .tokenizer import Tokenizer
@@ -20,13 +23,23 @@ __all__ = [
     "DiffusionGemmaConfig",
     "EncodeOutput",
     "GenerationConfig",
+    "GenerationResult",
     "KVCache",
+    "SamplingParams",
+    "Session",
     "TextConfig",
     "Tokenizer",
     "__version__",
     "build",
     "count_parameters",
+    "edit",
+    "fill",
+    "generate",
+    "generate_ar",
+    "infill",
     "load",
     "preset",
     "save",
+    "stream",
+    "stream_ar",
 ]

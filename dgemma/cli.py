@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -83,10 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration instead of a directory")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
+
+    from .cli_generate import register
+
+    register(sub)
     return parser
 
 
+def _show_notice(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_notice  # one clean line per notice, not the source line behind it
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -97,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ The cache can be reused across turns: each `encode` appends after what is there.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .config import FULL, SLIDING, TextConfig
@@ -50,6 +52,8 @@ class KVCache:
             self.is_sliding.append(spec.is_sliding)
         self._pending = 0  # tokens of the encode call in progress
         self.has_padding = False  # whether any written position is padding (decides if denoise needs masks)
+        self._rows: torch.Tensor | None = None  # set on read-only row views (see rows())
+        self._denoise_memo: tuple | None = None  # (key, result) of prepare_denoise while the cache is unchanged
 
     @property
     def device(self) -> torch.device:
@@ -62,7 +66,18 @@ class KVCache:
         """Forget everything (the buffers are kept and overwritten by the next encode)."""
         self.length = 0
         self.has_padding = False
+        self._denoise_memo = None
         self.valid.zero_()
+
+    def rows(self, index: torch.Tensor) -> KVCache:
+        """A read-only view of some rows (for denoising part of a batch); the buffers are shared, not copied."""
+        view = copy.copy(self)
+        base = self._rows
+        view._rows = index if base is None else base[index]
+        view.batch_size = int(index.numel())
+        view.valid = self.valid[index]
+        view._denoise_memo = None
+        return view
 
     def _check_batch(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
@@ -81,6 +96,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
         self._check_batch(batch_size)
+        assert self._rows is None, "a row view of the cache is read-only"
+        self._denoise_memo = None
         start, end = self.length, self.length + num_tokens
         if end > self.max_length:
             raise ValueError(
@@ -113,8 +130,14 @@ class KVCache:
     def prepare_denoise(
         self, batch_size: int, canvas_length: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-        """Positions of a canvas placed after the cache, and its bidirectional masks (None: no padding)."""
+        """Positions of a canvas placed after the cache, and its bidirectional masks (None: no padding).
+
+        The result is remembered until the cache changes: every step of a canvas reuses it.
+        """
         self._check_batch(batch_size)
+        key = (self.length, batch_size, canvas_length)
+        if self._denoise_memo is not None and self._denoise_memo[0] == key:
+            return self._denoise_memo[1]
         q = torch.arange(self.length, self.length + canvas_length, device=self.device)
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
@@ -125,11 +148,13 @@ class KVCache:
             canvas_valid = prefix_valid.new_ones(self.batch_size, canvas_length)
             allowed = torch.cat([prefix_valid, canvas_valid], dim=1)  # [B, S]
             masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+        self._denoise_memo = (key, (q, masks))
         return q, masks
 
     # -- per-layer access (called from inside the attention of layer i) ------------------------------
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode: store the new k/v [B, Hkv, T, D]; return the keys/values to attend over [B, Hkv, S, D]."""
+        assert self._rows is None, "a row view of the cache is read-only"
         t = k.shape[2]
         if not self.is_sliding[i]:
             end = self.length + t
@@ -146,11 +171,10 @@ class KVCache:
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Denoise: [cached prefix ; k/v] without writing anything."""
         n = self._num_cached(self.is_sliding[i])
-        if self.is_sliding[i]:
-            slots = self.keys[i].shape[2]
-            past_k, past_v = self.keys[i][:, :, slots - n :], self.values[i][:, :, slots - n :]
-        else:
-            past_k, past_v = self.keys[i][:, :, :n], self.values[i][:, :, :n]
+        start = self.keys[i].shape[2] - n if self.is_sliding[i] else 0
+        past_k, past_v = self.keys[i][:, :, start : start + n], self.values[i][:, :, start : start + n]
+        if self._rows is not None:
+            past_k, past_v = past_k.index_select(0, self._rows), past_v.index_select(0, self._rows)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     def commit(self, num_tokens: int) -> None:

@@ -309,9 +309,12 @@ class DiffusionGemma(nn.Module):
         """Tied LM head; the logits are cast to fp32 before the final softcap tanh(x / c) * c."""
         logits = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.text_config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if cap is None:
+            return logits
+        if torch.is_grad_enabled():
+            return torch.tanh(logits / cap) * cap
+        # Same values in place: no extra [B, T, V] fp32 temporaries at inference.
+        return logits.div_(cap).tanh_().mul_(cap)
 
     def _run_layers(
         self,
@@ -352,26 +355,35 @@ class DiffusionGemma(nn.Module):
         cache.commit(input_ids.shape[1])
         return EncodeOutput(hidden, self.lm_head(hidden) if return_logits else None)
 
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning input from logits [B, T, V]: softmax (fp32) @ embedding * sqrt(M) -> [B, T, M]."""
+        w = self.embed_tokens.weight
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
+        return (probs @ w) * self.embed_scale(w.dtype)
+
     def denoise(
         self,
         canvas_ids: torch.Tensor,  # [B, T] canvas tokens
         cache: KVCache,
         self_conditioning_logits: torch.Tensor | None = None,  # [B, T, V] previous step's processed logits
         self_conditioning_mask: torch.Tensor | None = None,  # [B] bool: rows whose signal is kept
+        *,
+        self_conditioning_embeds: torch.Tensor | None = None,  # [B, T, M] = soft_embedding(logits), precomputed
     ) -> torch.Tensor:
         """Bidirectional pass of a canvas over [cached prefix ; canvas]; returns fp32 logits [B, T, V].
 
-        The cache is read, never written. Without self-conditioning logits (the first step) the signal is
-        exactly zero; `self_conditioning_mask` zeroes it for chosen rows (used in training).
+        The cache is read, never written. Without a self-conditioning signal (the first step) the signal is
+        exactly zero; `self_conditioning_mask` zeroes it for chosen rows (used in training). The signal may be
+        given as the previous logits or as their soft embedding (which spares a [B, T, V] temporary here).
         """
         embeds = self.embed(canvas_ids)
-        soft = None
+        soft = self_conditioning_embeds
         if self_conditioning_logits is not None:
-            w = self.embed_tokens.weight
-            probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(w.dtype)
-            soft = (probs @ w) * self.embed_scale(embeds.dtype)
-            if self_conditioning_mask is not None:
-                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+            if soft is not None:
+                raise ValueError("pass self_conditioning_logits or self_conditioning_embeds, not both")
+            soft = self.soft_embedding(self_conditioning_logits)
+        if soft is not None and self_conditioning_mask is not None:
+            soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(embeds, soft)
         positions, masks = cache.prepare_denoise(*canvas_ids.shape)
         hidden = self._run_layers(x, positions, cache, masks, is_encoder=False)

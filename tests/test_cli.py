@@ -32,3 +32,166 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "dgemma.cli", "--help"], capture_output=True, text=True, check=True)
     assert "DiffusionGemma" in out.stdout and "info" in out.stdout
+
+
+import io  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dgemma.testing import make_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt_with_tokenizer(moe_ckpt, tmp_path_factory):
+    import shutil
+
+    d = tmp_path_factory.mktemp("cli") / "model"
+    shutil.copytree(moe_ckpt[0], d)
+    make_tokenizer(512).save(d)
+    return d
+
+
+FAST = ["--max-denoising-steps", "3", "--seed", "0"]
+
+
+def test_generate_prints_text_and_json(ckpt_with_tokenizer, capsys):
+    assert main(["generate", "-m", str(ckpt_with_tokenizer), "-p", "hello", "--max-new-tokens", "12", *FAST]) == 0
+    text = capsys.readouterr().out
+    assert text.endswith("\n") and len(text) > 1
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                str(ckpt_with_tokenizer),
+                "-p",
+                "hello",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                "--mode",
+                "exact",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    info = json.loads(capsys.readouterr().out)
+    assert info["tokens"] <= 12 and info["canvases"] == 2 and info["steps_per_canvas"] == [3, 3]
+
+
+def test_generate_ar_raw_and_show_canvas(ckpt_with_tokenizer, capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                str(ckpt_with_tokenizer),
+                "-p",
+                "x = ",
+                "--raw",
+                "--ar",
+                "--max-new-tokens",
+                "5",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["tokens"] <= 5
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                str(ckpt_with_tokenizer),
+                "-p",
+                "x",
+                "--show-canvas",
+                "--early-commit",
+                "--max-new-tokens",
+                "8",
+                "--stats",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "canvas 1, step" in err and "tokens_per_forward" in err
+
+
+def test_infill_command(ckpt_with_tokenizer, capsys):
+    assert (
+        main(
+            [
+                "infill",
+                "-m",
+                str(ckpt_with_tokenizer),
+                "--prefix",
+                "a = (",
+                "--suffix",
+                ")",
+                "--middle-length",
+                "3",
+                "--json",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith("a = (") and out["text"].endswith(")") and out["middle_length"] == 3
+
+
+def test_chat_command(ckpt_with_tokenizer, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi there\nand again\n\n"))
+    assert main(["chat", "-m", str(ckpt_with_tokenizer), "--max-new-tokens", "6", "--thinking", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert out.count("> ") >= 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "-m", "/nonexistent", "-p", "x"], "does not exist"),
+        (["generate", "-p", "x", "--t-min", "0.9"], "t_min < t_max"),
+        (["generate", "-p", "x", "--max-new-tokens", "100000"], "exceed the model's context"),
+        (["generate", "-p", "   "], "prompt is empty"),
+        (["infill", "--prefix", "a"], "give the prefix"),
+    ],
+)
+def test_generation_errors(ckpt_with_tokenizer, capsys, args, message):
+    if "-m" not in args:
+        args = [args[0], "-m", str(ckpt_with_tokenizer), *args[1:]]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_flag_values_are_usage_errors(ckpt_with_tokenizer, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "-m", str(ckpt_with_tokenizer), "--tokens-per-step", "0"])
+    assert exc.value.code == 2 and "positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["infill", "-m", str(ckpt_with_tokenizer), "--middle-length", "many"])
+
+
+def test_help_is_complete(capsys):
+    for command in ("generate", "chat", "infill"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        for flag in (
+            "--model",
+            "--max-denoising-steps",
+            "--entropy-bound",
+            "--t-min",
+            "--t-max",
+            "--seed",
+            "--mode",
+            "--sampler",
+        ):
+            assert flag in text, (command, flag)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--show-canvas" in capsys.readouterr().out

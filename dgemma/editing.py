@@ -1,0 +1,197 @@
+"""Infilling, editing and templates: denoising with some canvas positions given and pinned.
+
+All three are one mechanism. `fill(template)` generates a sequence in which the positions of the
+template that hold a token keep it (they are pinned: never renoised) and the holes (None) are generated
+with everything else in view, left and right. `infill(prefix, suffix)` is a template
+[middle holes | suffix | end-of-text fill] after the prefix; `edit(ids, span)` is an infill of the span
+with the text around it as prefix and suffix.
+
+Layout of an infill canvas (canvas length C, middle length m, suffix length s):
+
+    cache:  prefix (causal)            canvas: [ m holes | suffix (pinned) | end-of-text (pinned) ... ]
+
+The model was trained with the end of a response filled with end-of-text tokens, so positions after the
+suffix are pinned to the end-of-text token: the text ends there. The middle sees the suffix only within
+the canvas: tokens of a suffix longer than C - m are not visible to the middle (they are re-attached
+verbatim to the result).
+
+How the middle length is chosen: give `middle_length` when you know it (edit uses the span's length).
+With "auto", dgemma fills the middle at several lengths (2, 4, 8, ... up to what fits) as one batch,
+re-scores each completed canvas with one more denoising pass (the mean log-probability the model gives
+the middle and the pinned suffix), and keeps the best; the scores are returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .generate import GenerationResult, SamplingParams, generate, left_pad
+from .model import DiffusionGemma
+
+
+def _check_ids(ids: list[int], vocab: int, what: str) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"{what} must be a list of token ids")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids
+
+
+def _text_or_ids(value, tokenizer, what: str) -> list[int]:
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise ValueError(f"a text {what} needs a tokenizer")
+        return tokenizer.encode(value, add_special_tokens=False)
+    return list(value)
+
+
+def _start_prompt(model: DiffusionGemma, prompt: list[int]) -> list[int]:
+    """The encoder needs at least one token: an empty prefix becomes the BOS token."""
+    if prompt:
+        return prompt
+    bos = model.text_config.bos_token_id
+    if bos is None:
+        raise ValueError("an empty prefix needs a bos_token_id in the config")
+    return [bos]
+
+
+def _end_token(model: DiffusionGemma) -> int:
+    eos = model.generation_config.eos_token_id
+    ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if not ids:
+        raise ValueError("infilling pins end-of-text after the suffix and needs an eos_token_id in the config")
+    return ids[0]
+
+
+def fill(
+    model: DiffusionGemma,
+    template: list[int | None] | list[list[int | None]],
+    prompt: list[int] | list[list[int]] | None = None,
+    params: SamplingParams | None = None,
+    **overrides,
+) -> GenerationResult:
+    """Generate a sequence shaped like `template`: given token ids are kept, holes (None) are generated.
+
+    A batch takes a list of templates of equal length (and a prompt per template). Templates longer than a
+    canvas continue in the next canvases. The result's `tokens` hold the whole sequence, holes filled.
+    """
+    batch = template if template and isinstance(template[0], list) else [template]
+    if not batch or not all(isinstance(t, list) and t for t in batch):
+        raise ValueError("template must be a non-empty list of token ids and None (holes)")
+    if len({len(t) for t in batch}) != 1:
+        raise ValueError("the templates of a batch must have the same length")
+    vocab = model.text_config.vocab_size
+    for i, t in enumerate(batch):
+        _check_ids([x for x in t if x is not None], vocab, f"template {i}")
+        if all(x is not None for x in t):
+            raise ValueError(f"template {i} has no hole (None) to fill")
+    pins = torch.tensor([[-1 if x is None else x for x in t] for t in batch], dtype=torch.long)
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt or []] * len(batch)
+    if len(prompts) != len(batch):
+        raise ValueError(f"{len(prompts)} prompts for {len(batch)} templates")
+    prompts = [_start_prompt(model, _check_ids(list(p), vocab, "prompt")) for p in prompts]
+    overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
+    return generate(model, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
+
+
+def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
+    visible = suffix[: max(canvas - middle, 0)]
+    template = [None] * middle + visible + [end] * (canvas - middle - len(visible))
+    return template, len(visible)
+
+
+@dataclass
+class InfillResult:
+    middle: list[int]  # the generated middle
+    tokens: list[int]  # prefix + middle + suffix
+    middle_length: int
+    scores: dict[int, float]  # middle length -> mean log-probability (with middle_length="auto")
+    result: GenerationResult
+    text: str | None = None
+    middle_text: str | None = None
+
+
+def infill(
+    model: DiffusionGemma,
+    prefix: list[int] | str,
+    suffix: list[int] | str,
+    middle_length: int | str = "auto",
+    params: SamplingParams | None = None,
+    *,
+    tokenizer=None,
+    **overrides,
+) -> InfillResult:
+    """Generate the middle between `prefix` and `suffix`, seeing both (see the module docstring)."""
+    prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
+    suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
+    canvas = model.config.canvas_length
+    end = _end_token(model)
+    if middle_length == "auto":
+        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < canvas] or [max(canvas - 1, 1)]
+    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= canvas:
+        lengths = [middle_length]
+    else:
+        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {canvas}] (got {middle_length!r})")
+    templates = [_infill_template(n, suffix, canvas, end)[0] for n in lengths]
+    prompt = _start_prompt(model, prefix)
+    result = fill(model, templates, [prompt] * len(templates), params, **overrides)
+    scores: dict[int, float] = {}
+    best = 0
+    if len(lengths) > 1:
+        scored = [n + _infill_template(n, suffix, canvas, end)[1] for n in lengths]
+        scores = dict(zip(lengths, _score_canvases(model, prompt, result.tokens, scored), strict=True))
+        best = max(range(len(lengths)), key=lambda i: scores[lengths[i]])
+    n = lengths[best]
+    middle = result.tokens[best][:n]
+    out = InfillResult(middle, prefix + middle + suffix, n, scores, result)
+    if tokenizer is not None:
+        out.text = tokenizer.decode(out.tokens)
+        out.middle_text = tokenizer.decode(middle)
+    return out
+
+
+@torch.no_grad()
+def _score_canvases(model: DiffusionGemma, prompt: list[int], canvases: list[list[int]], scored: list[int]):
+    """Mean log-probability the model gives the first `scored[i]` tokens of each completed canvas."""
+    rows = len(canvases)
+    ids, _ = left_pad([prompt] * rows, 0, model.device)
+    cache = model.new_cache(rows, ids.shape[1])
+    model.encode(ids, cache)
+    canvas = torch.tensor([c[: model.config.canvas_length] for c in canvases], device=model.device)
+    logp = torch.log_softmax(model.denoise(canvas, cache), dim=-1)
+    token_logp = logp.gather(-1, canvas[..., None]).squeeze(-1)
+    return [float(token_logp[i, : scored[i]].mean()) for i in range(rows)]
+
+
+def edit(
+    model: DiffusionGemma,
+    ids: list[int] | str,
+    span: tuple[int, int],
+    params: SamplingParams | None = None,
+    *,
+    new_length: int | None = None,
+    tokenizer=None,
+    **overrides,
+) -> InfillResult:
+    """Rewrite `ids[span[0]:span[1]]` (token positions) with everything else kept and in view.
+
+    The replacement has the span's length unless `new_length` says otherwise (a span of length 0 with a
+    `new_length` inserts). The text before the span is the prefix, the text after it the suffix.
+    """
+    ids = _check_ids(_text_or_ids(ids, tokenizer, "text"), model.text_config.vocab_size, "text")
+    if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+        raise ValueError(f"span must be a (start, end) pair of token positions (got {span!r})")
+    a, b = span
+    if not 0 <= a <= b <= len(ids):
+        raise ValueError(f"span {span} is not within the text's {len(ids)} tokens (need 0 <= start <= end <= len)")
+    n = (b - a) if new_length is None else new_length
+    canvas = model.config.canvas_length
+    if not isinstance(n, int) or not 0 < n <= canvas:
+        raise ValueError(
+            f"the replacement must have between 1 and {canvas} tokens (got {n}); give new_length "
+            "for an insertion (an empty span)"
+        )
+    return infill(model, ids[:a], ids[b:], n, params, tokenizer=tokenizer, **overrides)

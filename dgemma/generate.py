@@ -1,0 +1,561 @@
+"""The canvas loop: block diffusion generation, as a stream of events or a finished result.
+
+    encode(prompt)                                   # causal prefill into the KV cache
+    for each canvas (until max_new_tokens or a stop token):
+        canvas = uniform random tokens (pinned positions hold given tokens)
+        for step = N, ..., 1:                         # N = max_denoising_steps
+            logits = denoise(canvas, cache, self-conditioning) / temperature(step)
+            accept some positions (the sampler), draw tokens there, renoise the rest
+            stop early once the argmax canvas is stable and confident
+        commit the argmax canvas through encode
+
+Two modes share this loop. `exact` reproduces transformers' `generate` operation for operation and
+random draw for random draw, so the same seed gives the same token ids. `fast` (the default) computes the
+same distribution with less work: one full-vocabulary buffer per step, draws only where tokens are
+accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and it can pin
+positions (infilling, editing, templates) and stream a canvas's leading tokens early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GenerationConfig
+from .kv_cache import KVCache
+from .model import DiffusionGemma
+from .sampling import (
+    SAMPLERS,
+    StableAndConfident,
+    entropy_reference,
+    fast_transition,
+    random_tokens,
+    reference_transition,
+    temperature,
+)
+
+MODES = ("fast", "exact")
+
+
+@dataclass
+class SamplingParams:
+    """How to generate. Fields left None take the checkpoint's generation_config.json (or the reference
+    defaults: 48 steps, entropy bound 0.1, temperature 0.8 -> 0.4, stop when stable for 1 step and mean
+    entropy < 0.005, 256 new tokens)."""
+
+    max_new_tokens: int | None = None
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    stop_token_ids: list[int] | None = None  # default: the generation config's eos_token_id
+    sampler: str = "entropy-bound"  # or "confidence", "fixed" (see sampling.py)
+    confidence: float = 0.9  # threshold of the "confidence" sampler
+    tokens_per_step: int = 16  # of the "fixed" sampler
+    mode: str = "fast"  # or "exact"
+    seed: int | None = None
+    early_commit: bool = False  # stream (and freeze) a canvas's leading tokens once they settle
+    early_commit_steps: int = 3  # ... after this many steps with the same argmax
+    early_commit_entropy: float = 0.1  # ... and an entropy below this at each of them
+
+    def resolve(self, defaults: GenerationConfig, eos_fallback: list[int]) -> SamplingParams:
+        """A copy with every None filled in from `defaults`, validated (ValueError names what is wrong)."""
+        p = dataclasses.replace(self)
+        for name in (
+            "max_new_tokens",
+            "max_denoising_steps",
+            "entropy_bound",
+            "t_min",
+            "t_max",
+            "stability_threshold",
+            "confidence_threshold",
+        ):
+            if getattr(p, name) is None:
+                setattr(p, name, getattr(defaults, name))
+        if p.stop_token_ids is None:
+            eos = defaults.eos_token_id
+            p.stop_token_ids = eos_fallback if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        errors = []
+        for name in ("max_new_tokens", "max_denoising_steps", "tokens_per_step", "early_commit_steps"):
+            value = getattr(p, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                errors.append(f"{name} must be a positive integer (got {value!r})")
+        if not (isinstance(p.stability_threshold, int) and p.stability_threshold >= 0):
+            errors.append(f"stability_threshold must be an integer >= 0 (got {p.stability_threshold!r})")
+        for name in ("entropy_bound", "confidence_threshold", "early_commit_entropy"):
+            if not getattr(p, name) > 0:
+                errors.append(f"{name} must be > 0 (got {getattr(p, name)!r})")
+        if not 0 < p.t_min < p.t_max:
+            errors.append(f"need 0 < t_min < t_max (got t_min={p.t_min}, t_max={p.t_max})")
+        if not 0 < p.confidence <= 1:
+            errors.append(f"confidence must be in (0, 1] (got {p.confidence})")
+        if p.mode not in MODES:
+            errors.append(f"mode must be one of {MODES} (got {p.mode!r})")
+        if p.sampler not in SAMPLERS:
+            errors.append(f"sampler must be one of {sorted(SAMPLERS)} (got {p.sampler!r})")
+        if p.mode == "exact" and (p.sampler != "entropy-bound" or p.early_commit):
+            errors.append(
+                "mode 'exact' reproduces transformers' generate: it has the entropy-bound sampler only "
+                "and no early commit"
+            )
+        if errors:
+            raise ValueError("invalid sampling parameters: " + "; ".join(errors))
+        return p
+
+    def make_sampler(self):
+        if self.sampler == "entropy-bound":
+            return SAMPLERS[self.sampler](self.entropy_bound)
+        if self.sampler == "confidence":
+            return SAMPLERS[self.sampler](self.confidence)
+        return SAMPLERS[self.sampler](self.tokens_per_step)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the loop reports
+
+
+@dataclass
+class DraftEvent:
+    """After each denoising step: the argmax canvas of every row (finished rows keep their last draft)."""
+
+    canvas_index: int
+    step: int  # 1 for the first step of a canvas
+    drafts: torch.Tensor  # [B, C]
+    accepted: torch.Tensor  # [B, C] bool: positions accepted (or pinned) this step
+
+
+@dataclass
+class TokensEvent:
+    """Tokens of one row that are final: a committed canvas, or its leading part under early commit."""
+
+    row: int
+    tokens: list[int]
+    canvas_index: int
+    early: bool = False
+
+
+@dataclass
+class GenerationStats:
+    canvases: int
+    steps_per_canvas: list[list[int]]  # per row: denoising steps that row ran in each canvas
+    decoder_forward_passes: list[int]
+    tokens_per_forward: list[float]
+    time_to_first_token: float | None  # seconds from the call to the first final token
+    elapsed: float
+    tokens_per_second: float
+    prompt_tokens: list[int]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # per row: new tokens, stop token excluded, at most max_new_tokens
+    finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_new_tokens)
+    sequences: torch.Tensor  # [B, canvases * C]: the committed canvases, pad after a stop token
+    stats: GenerationStats
+    text: list[str] | None = None
+
+
+@dataclass
+class DoneEvent:
+    result: GenerationResult
+
+
+Event = DraftEvent | TokensEvent | DoneEvent
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _as_batch(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist() if prompt.dim() == 2 else [prompt.tolist()]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    rows = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (pass tokenizer=Tokenizer.from_dir(...))")
+            p = tokenizer.encode(p)
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
+            raise ValueError("each prompt must be a non-empty string or a non-empty list of token ids")
+        rows.append(p)
+    return rows
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [B, T] left-padded to the longest row, and the attention mask (None if nothing is padded)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), (None if bool(mask.all()) else mask.to(device))
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class _Canvas:
+    """One canvas being denoised, for every row of the batch."""
+
+    tokens: torch.Tensor  # [B, C] current (noisy) canvas
+    argmax: torch.Tensor  # [B, C] latest argmax canvas (the draft)
+    pinned: torch.Tensor  # [B, C] bool: never renoised (given by a template, or frozen by early commit)
+    pin_values: torch.Tensor  # [B, C]
+    done: torch.Tensor  # [B] bool: this row stopped denoising
+    needed: torch.Tensor  # [B, C] bool: positions whose tokens will be returned
+    sc: torch.Tensor | None = None  # self-conditioning: processed logits (exact) or soft embeddings (fast)
+    steps: torch.Tensor | None = None  # [B] steps run in this canvas
+    stable_steps: torch.Tensor | None = None  # [B, C] consecutive steps with the same argmax (early commit)
+    frontier: list[int] = field(default_factory=list)  # per row: leading positions already emitted
+
+
+class _Output:
+    """Per-row bookkeeping of what has been returned, and why a row finished."""
+
+    def __init__(self, batch: int, max_new_tokens: int, stop_ids: list[int]):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+        self.max_new = max_new_tokens
+        self.stop_ids = set(stop_ids)
+        self.first_token_time: float | None = None
+
+    def finished(self, row: int) -> bool:
+        return self.reasons[row] is not None
+
+    def take(self, row: int, tokens: list[int], canvas_index: int, early: bool) -> TokensEvent | None:
+        """Append final tokens to a row up to a stop token or the length limit; None if nothing is new."""
+        out = []
+        for t in tokens:
+            if t in self.stop_ids:
+                self.reasons[row] = "stop"
+                break
+            out.append(t)
+            if len(self.tokens[row]) + len(out) >= self.max_new:
+                self.reasons[row] = "length"
+                break
+        self.tokens[row].extend(out)
+        if not out:
+            return None
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        return TokensEvent(row, out, canvas_index, early)
+
+
+def _sequence_canvas(final: torch.Tensor, stop: torch.Tensor, pad_id: int, was_finished: torch.Tensor):
+    """The reference's committed canvas: pad after the first stop token, all pad for rows finished before."""
+    is_stop = torch.isin(final, stop)
+    seen = is_stop.cumsum(-1)
+    after = (seen > 0) & ~((seen == 1) & is_stop)
+    out = final.masked_fill(after, pad_id)
+    out[was_finished] = pad_id
+    return out, is_stop.any(-1)
+
+
+class _Loop:
+    """Runs canvases for one batch of prompts already encoded into `cache`."""
+
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        cache: KVCache,
+        p: SamplingParams,
+        pins: torch.Tensor | None,
+        prompt_tokens: list[int],
+        t0: float,
+    ):
+        self.model, self.cache, self.p, self.t0 = model, cache, p, t0
+        self.b = cache.batch_size
+        self.c = model.config.canvas_length
+        self.v = model.text_config.vocab_size
+        self.device = model.device
+        self.pins = pins
+        self.prompt_tokens = prompt_tokens
+        self.pad_id = model.generation_config.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = model.text_config.pad_token_id or 0
+        self.stop = torch.tensor(p.stop_token_ids or [-1], device=self.device)
+        self.exact = p.mode == "exact"
+        self.gen = None
+        if p.seed is not None:
+            if self.exact:
+                torch.manual_seed(p.seed)  # the reference draws from the global generator
+            else:
+                self.gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.sampler = p.make_sampler()
+        self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
+        self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
+        self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
+        total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
+        self.num_canvases = math.ceil(total / self.c)
+
+    # -- one canvas ----------------------------------------------------------------------------------
+    def _new_canvas(self, k: int) -> _Canvas:
+        b, c = self.b, self.c
+        tokens = random_tokens((b, c), self.v, self.device, self.gen)
+        pin_values = torch.full((b, c), -1, dtype=torch.long, device=self.device)
+        if self.pins is not None:
+            chunk = self.pins[:, k * c : (k + 1) * c]
+            pin_values[:, : chunk.shape[1]] = chunk
+        pinned = pin_values >= 0
+        tokens = torch.where(pinned, pin_values, tokens)
+        budget = self.p.max_new_tokens - k * c
+        needed = (torch.arange(c, device=self.device) < budget).expand(b, c)
+        done = torch.tensor([self.out.finished(r) for r in range(b)], device=self.device)
+        if self.exact:
+            done = torch.zeros(b, dtype=torch.bool, device=self.device)  # the reference denoises every row
+        return _Canvas(
+            tokens=tokens,
+            argmax=tokens,
+            pinned=pinned,
+            pin_values=pin_values,
+            done=done,
+            needed=needed,
+            steps=torch.zeros(b, dtype=torch.long, device=self.device),
+            stable_steps=torch.zeros(b, c, dtype=torch.long, device=self.device),
+            frontier=[0] * b,
+        )
+
+    def _exact_step(self, st: _Canvas, step: int, stopper: StableAndConfident, finished_rows: torch.Tensor):
+        """transformers' denoising step, operation for operation (and draw for draw)."""
+        counted = (~(st.done | finished_rows)).long()
+        self.passes += counted
+        st.steps += counted
+        logits = self.model.denoise(st.tokens, self.cache, self_conditioning_logits=st.sc)
+        processed = logits / temperature(step, self.p.max_denoising_steps, self.p.t_min, self.p.t_max, self.device)
+        t = reference_transition(processed, st.tokens, self.p.entropy_bound)
+        tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
+        if st.done.any():  # stopped rows keep their state
+            argmax = torch.where(st.done[:, None], st.argmax, argmax)
+            tokens = torch.where(st.done[:, None], st.tokens, tokens)
+            processed = torch.where(st.done[:, None, None], st.sc, processed)
+            entropy = entropy_reference(processed)
+        st.done |= stopper(argmax, entropy)
+        st.sc = processed.to(self.model.dtype)
+        st.tokens, st.argmax = tokens, argmax
+        return t.accepted
+
+    def _fast_step(self, st: _Canvas, step: int, stopper: StableAndConfident):
+        """The same step for the rows still denoising, with one full-vocabulary buffer and draws where accepted."""
+        rows = (~st.done).nonzero().squeeze(-1)
+        everyone = rows.numel() == self.b
+        pick = (lambda t: t) if everyone else (lambda t: t[rows])
+        cache = self.cache if everyone else self.cache.rows(rows)
+        self.passes[rows] += 1
+        st.steps[rows] += 1
+        logits = self.model.denoise(
+            pick(st.tokens), cache, self_conditioning_embeds=None if st.sc is None else pick(st.sc)
+        )
+        logits.div_(temperature(step, self.p.max_denoising_steps, self.p.t_min, self.p.t_max, self.device))
+        w = self.model.embed_tokens.weight
+        pinned = pick(st.pinned)
+        t = fast_transition(
+            logits,
+            self.sampler,
+            self.p.max_denoising_steps - step + 1,
+            pinned,
+            pick(st.pin_values),
+            self.gen,
+            w,
+            self.model.embed_scale(w.dtype),
+        )
+        del logits
+        finished = stopper(t.argmax, t.entropy, pick(st.needed) & ~pinned, None if everyone else rows)
+        if self.p.early_commit:
+            settled = (t.argmax == pick(st.argmax)) & (t.entropy < self.p.early_commit_entropy)
+            st.stable_steps[rows] = torch.where(settled, pick(st.stable_steps) + 1, 0)
+        if st.sc is None:
+            st.sc = t.soft_embeds.new_zeros(self.b, self.c, t.soft_embeds.shape[-1])
+        st.tokens[rows], st.argmax[rows], st.sc[rows] = t.tokens, t.argmax, t.soft_embeds
+        st.done[rows] |= finished
+        accepted = torch.zeros(self.b, self.c, dtype=torch.bool, device=self.device)
+        accepted[rows] = t.accepted
+        return accepted
+
+    def _early_commit(self, st: _Canvas, k: int) -> Iterator[TokensEvent]:
+        """Freeze and emit each row's leading positions that have settled (pinned ones count as settled)."""
+        ready = (st.stable_steps >= self.p.early_commit_steps) | st.pinned
+        ready &= st.needed
+        lead = ready.long().cumprod(-1).sum(-1).tolist()
+        for r in range(self.b):
+            if self.out.finished(r) or lead[r] <= st.frontier[r]:
+                continue
+            a, z = st.frontier[r], lead[r]
+            st.pin_values[r, a:z] = st.argmax[r, a:z]
+            st.pinned[r, a:z] = True
+            st.frontier[r] = z
+            event = self.out.take(r, st.argmax[r, a:z].tolist(), k, early=True)
+            if event:
+                yield event
+            if self.out.finished(r):
+                st.done[r] = True
+
+    def run(self) -> Iterator[Event]:
+        p, c = self.p, self.c
+        sequences = []
+        finished_rows = torch.zeros(self.b, dtype=torch.bool, device=self.device)
+        for k in range(self.num_canvases):
+            st = self._new_canvas(k)
+            shape = None if self.exact else (self.b, c)
+            stopper = StableAndConfident(p.stability_threshold, p.confidence_threshold, shape, self.device)
+            for n, step in enumerate(range(p.max_denoising_steps, 0, -1), 1):
+                if self.exact:
+                    accepted = self._exact_step(st, step, stopper, finished_rows)
+                else:
+                    accepted = self._fast_step(st, step, stopper)
+                yield DraftEvent(k, n, st.argmax.clone(), accepted)
+                if p.early_commit:
+                    yield from self._early_commit(st, k)
+                if bool(st.done.all()):
+                    break
+            for r in range(self.b):
+                self.steps_per_canvas[r].append(int(st.steps[r]))
+            final = st.argmax
+            seq, hit_stop = _sequence_canvas(final, self.stop, self.pad_id, finished_rows)
+            sequences.append(seq)
+            for r in range(self.b):
+                if not self.out.finished(r):
+                    event = self.out.take(r, final[r, st.frontier[r] :].tolist(), k, early=False)
+                    if event:
+                        yield event
+            finished_rows = finished_rows | hit_stop
+            if all(self.out.finished(r) for r in range(self.b)) or k == self.num_canvases - 1:
+                break
+            self.model.encode(seq, self.cache)  # commit
+        yield DoneEvent(self._result(torch.cat(sequences, dim=1)))
+
+    def _result(self, sequences: torch.Tensor) -> GenerationResult:
+        elapsed = time.perf_counter() - self.t0
+        counted = (sequences[:, : self.p.max_new_tokens] != self.pad_id).sum(-1)
+        passes = self.passes.tolist()
+        reasons = [r or "length" for r in self.out.reasons]
+        total = sum(len(t) for t in self.out.tokens)
+        first = self.out.first_token_time
+        stats = GenerationStats(
+            canvases=sequences.shape[1] // self.c,
+            steps_per_canvas=self.steps_per_canvas,
+            decoder_forward_passes=passes,
+            tokens_per_forward=[float(n) / max(f, 1) for n, f in zip(counted.tolist(), passes, strict=True)],
+            time_to_first_token=None if first is None else first - self.t0,
+            elapsed=elapsed,
+            tokens_per_second=total / elapsed if elapsed > 0 else 0.0,
+            prompt_tokens=self.prompt_tokens,
+        )
+        return GenerationResult(self.out.tokens, reasons, sequences, stats)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+@torch.no_grad()
+def stream(
+    model: DiffusionGemma,
+    prompt,
+    params: SamplingParams | None = None,
+    *,
+    tokenizer=None,
+    pins: torch.Tensor | None = None,
+    cache: KVCache | None = None,
+    **overrides,
+) -> Iterator[Event]:
+    """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
+    DoneEvent with the GenerationResult last.
+
+    `prompt`: token ids, a list of them (a batch, left-padded), or text (with `tokenizer`). `overrides` set
+    SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
+    sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache.
+    """
+    t0 = time.perf_counter()
+    params = dataclasses.replace(params or SamplingParams(), **overrides)
+    p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
+    if pins is not None and p.mode == "exact":
+        raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
+    rows = _as_batch(prompt, tokenizer)
+    pad_id = model.generation_config.pad_token_id
+    ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
+    if pins is not None and pins.shape[0] != ids.shape[0]:
+        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {ids.shape[0]} prompts")
+    c = model.config.canvas_length
+    total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
+    room = ids.shape[1] + math.ceil(total / c) * c
+    if cache is None:
+        cache = model.new_cache(ids.shape[0], room)
+    elif cache.length + room > cache.max_length:
+        raise ValueError(
+            f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
+        )
+    limit = model.text_config.max_position_embeddings
+    if cache.length + room > limit:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) plus {total} new tokens (rounded up to whole canvases "
+            f"of {c}) exceed the model's context of {limit} positions"
+        )
+    model.encode(ids, cache, attention_mask=mask)
+    loop = _Loop(model, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
+    for event in loop.run():
+        if isinstance(event, DoneEvent) and tokenizer is not None:
+            event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
+        yield event
+
+
+def generate(model: DiffusionGemma, prompt, params: SamplingParams | None = None, **kwargs) -> GenerationResult:
+    """Generate and return the result (see `stream` for the arguments)."""
+    for event in stream(model, prompt, params, **kwargs):
+        if isinstance(event, DoneEvent):
+            return event.result
+    raise AssertionError("stream ended without a DoneEvent")
+
+
+class Session:
+    """A conversation (batch of one) whose KV cache is kept between turns.
+
+    Each turn takes the whole conversation as token ids (typically the chat template's rendering); only
+    the part the cache does not hold yet is encoded. If the conversation no longer extends what is cached
+    (for example a template that drops past thoughts), the cache is rebuilt from the start.
+    """
+
+    def __init__(self, model: DiffusionGemma, max_length: int | None = None, tokenizer=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = max_length or min(model.text_config.max_position_embeddings, 8192)
+        self.cache = model.new_cache(1, self.max_length)
+        self.cached: list[int] = []  # the token ids whose keys/values are in the cache, in order
+
+    def stream(self, conversation: list[int], params: SamplingParams | None = None, **overrides) -> Iterator[Event]:
+        if not conversation or not all(isinstance(t, int) for t in conversation):
+            raise ValueError("the conversation must be a non-empty list of token ids (one row)")
+        n = len(self.cached)
+        if conversation[:n] != self.cached or len(conversation) == n:
+            self.cache.reset()
+            self.cached, n = [], 0
+        new = conversation[n:]
+        for event in stream(self.model, new, params, cache=self.cache, tokenizer=self.tokenizer, **overrides):
+            if isinstance(event, DoneEvent):
+                c = self.model.config.canvas_length
+                # every canvas but the last was committed through the encoder
+                self.cached = conversation + event.result.sequences[0, :-c].tolist()
+                assert len(self.cached) == self.cache.length, "the session lost track of its cache"
+            yield event
+
+    def generate(self, conversation: list[int], params: SamplingParams | None = None, **overrides):
+        for event in self.stream(conversation, params, **overrides):
+            if isinstance(event, DoneEvent):
+                return event.result
+        raise AssertionError("stream ended without a DoneEvent")

@@ -1,0 +1,294 @@
+"""Pure tensor functions of one denoising step: temperature, per-position statistics, acceptance, drawing,
+renoising, and the stop rule. The canvas loop that strings them together lives in generate.py.
+
+Two families:
+
+- `*_reference` functions reproduce transformers' arithmetic operation for operation (full-vocabulary
+  fp32 temporaries included), so that the exact mode returns the same token ids under the same seed.
+- `canvas_stats` and `draw` do the same mathematics in row chunks: only the logits buffer is
+  full-size; entropy, argmax, confidence and the self-conditioning soft embedding come out of one pass
+  over [chunk, V] slices, and samples are drawn only where the sampler accepts.
+
+Acceptance rules ("samplers") share one small protocol: given per-position statistics, return the
+positions to accept this step. Non-accepted positions are renoised with uniform random tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# ------------------------------------------------------------------------------------------------
+# Temperature schedule
+
+
+def temperature(step: int, num_steps: int, t_min: float, t_max: float, device: torch.device | None = None):
+    """Linear schedule: t_max on the first step (step = num_steps), t_min on the last (step = 1).
+
+    `step` counts the steps *remaining*, as in the reference. The value is an fp32 0-dim tensor computed the
+    way the reference computes it, so dividing logits by it gives identical bits.
+    """
+    s = torch.tensor(step, dtype=torch.int32, device=device)
+    return t_min + (t_max - t_min) * (s / num_steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-position statistics
+
+
+def entropy_reference(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, with torch.distributions.Categorical's arithmetic."""
+    normalized = logits - logits.logsumexp(dim=-1, keepdim=True)
+    probs = torch.softmax(normalized, dim=-1)
+    return -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * probs).sum(-1)
+
+
+@dataclass
+class CanvasStats:
+    """What a step needs to know about each position of the (temperature-scaled) logits [B, C, V]."""
+
+    entropy: torch.Tensor  # [B, C] fp32
+    argmax: torch.Tensor  # [B, C] int64
+    confidence: torch.Tensor  # [B, C] fp32, probability of the argmax token
+    soft_embeds: torch.Tensor | None  # [B, C, M] softmax(logits) @ embedding * scale, when asked for
+
+
+@torch.no_grad()
+def canvas_stats(
+    logits: torch.Tensor,
+    embedding: torch.Tensor | None = None,
+    embed_scale: torch.Tensor | None = None,
+    chunk: int = 64,
+) -> CanvasStats:
+    """Entropy, argmax, confidence and (optionally) the soft embedding, in one pass over row chunks.
+
+    Only [chunk, V] temporaries are allocated besides the logits themselves.
+    """
+    b, c, v = logits.shape
+    flat = logits.view(b * c, v)
+    n = flat.shape[0]
+    entropy = flat.new_empty(n)
+    confidence = flat.new_empty(n)
+    argmax = torch.empty(n, dtype=torch.long, device=flat.device)
+    soft = None
+    if embedding is not None:
+        soft = torch.empty(n, embedding.shape[1], dtype=embedding.dtype, device=flat.device)
+    for a in range(0, n, chunk):
+        rows = flat[a : a + chunk]
+        top, idx = rows.max(dim=-1)
+        lse = rows.logsumexp(dim=-1)
+        probs = torch.softmax(rows, dim=-1)
+        # H = logsumexp(l) - sum_i p_i l_i; the dot product avoids a second [chunk, V] temporary.
+        entropy[a : a + chunk] = lse - torch.linalg.vecdot(probs, rows)
+        confidence[a : a + chunk] = torch.exp(top - lse)
+        argmax[a : a + chunk] = idx
+        if soft is not None:
+            soft[a : a + chunk] = (probs.to(embedding.dtype) @ embedding) * embed_scale
+    entropy.clamp_(min=0.0)  # rounding can make a near-certain position's entropy slightly negative
+    return CanvasStats(
+        entropy.view(b, c),
+        argmax.view(b, c),
+        confidence.view(b, c),
+        None if soft is None else soft.view(b, c, -1),
+    )
+
+
+@torch.no_grad()
+def draw(
+    logits: torch.Tensor, where: torch.Tensor, generator: torch.Generator | None = None, chunk: int = 64
+) -> torch.Tensor:
+    """One sample from softmax(logits) at each position where `where` is True; other entries are 0.
+
+    Exactly the distribution of drawing everywhere and keeping the accepted draws, at a fraction of the cost.
+    """
+    b, c, v = logits.shape
+    out = torch.zeros(b * c, dtype=torch.long, device=logits.device)
+    positions = where.reshape(-1).nonzero().squeeze(-1)
+    flat = logits.view(b * c, v)
+    for a in range(0, positions.numel(), chunk):
+        pos = positions[a : a + chunk]
+        probs = torch.softmax(flat[pos], dim=-1)
+        out[pos] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return out.view(b, c)
+
+
+def random_tokens(shape, vocab_size: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniform random token ids: a fresh canvas, or the renoising of rejected positions."""
+    return torch.randint(0, vocab_size, shape, device=device, generator=generator)
+
+
+# ------------------------------------------------------------------------------------------------
+# Acceptance rules
+
+
+class Sampler(Protocol):
+    """Decides which canvas positions keep their newly drawn token this step."""
+
+    name: str
+
+    def accept(self, stats: CanvasStats, step_index: int, candidates: torch.Tensor) -> torch.Tensor:
+        """Boolean [B, C]: positions to accept. `step_index` counts from 1; `candidates` [B, C] marks the
+        positions that may be accepted (pinned positions are excluded: they are always kept)."""
+        ...
+
+
+def _lowest_entropy_first(stats: CanvasStats, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropies sorted ascending with non-candidates pushed to the end, and the sort order."""
+    ent = stats.entropy.masked_fill(~candidates, float("inf"))
+    return torch.sort(ent, dim=-1)
+
+
+def _scatter(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(sorted_mask).scatter(-1, order, sorted_mask)
+
+
+@dataclass
+class EntropyBound:
+    """Accept the lowest-entropy positions while (sum of their entropies - the largest) <= bound.
+
+    The lowest-entropy position is always accepted. From arXiv 2505.24857; DiffusionGemma's default.
+    """
+
+    bound: float = 0.1
+    name: str = "entropy-bound"
+
+    def accept(self, stats: CanvasStats, step_index: int, candidates: torch.Tensor) -> torch.Tensor:
+        sorted_ent, order = _lowest_entropy_first(stats, candidates)
+        finite = torch.nan_to_num(sorted_ent, posinf=0.0)
+        keep = (finite.cumsum(-1) - finite <= self.bound) & torch.isfinite(sorted_ent)
+        return _scatter(keep, order)
+
+
+@dataclass
+class ConfidenceThreshold:
+    """Accept every position whose most likely token has probability >= threshold (and always the single
+    most confident position, so every step makes progress)."""
+
+    threshold: float = 0.9
+    name: str = "confidence"
+
+    def accept(self, stats: CanvasStats, step_index: int, candidates: torch.Tensor) -> torch.Tensor:
+        conf = stats.confidence.masked_fill(~candidates, -1.0)
+        best = torch.zeros_like(candidates).scatter(-1, conf.argmax(-1, keepdim=True), True)
+        return ((conf >= self.threshold) | best) & candidates
+
+
+@dataclass
+class FixedCount:
+    """Accept the `tokens_per_step * step_index` lowest-entropy positions: a fixed number more each step."""
+
+    tokens_per_step: int = 16
+    name: str = "fixed"
+
+    def accept(self, stats: CanvasStats, step_index: int, candidates: torch.Tensor) -> torch.Tensor:
+        sorted_ent, order = _lowest_entropy_first(stats, candidates)
+        rank = torch.arange(sorted_ent.shape[-1], device=sorted_ent.device)
+        keep = (rank < self.tokens_per_step * step_index) & torch.isfinite(sorted_ent)
+        return _scatter(keep.expand_as(sorted_ent), order)
+
+
+SAMPLERS = {"entropy-bound": EntropyBound, "confidence": ConfidenceThreshold, "fixed": FixedCount}
+
+
+def entropy_bound_mask_reference(entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """The reference's acceptance (every position a candidate), kept operation for operation."""
+    sorted_ent, order = torch.sort(entropy, dim=-1, descending=False)
+    keep = torch.cumsum(sorted_ent, dim=-1) - sorted_ent <= bound
+    return torch.scatter(input=torch.zeros_like(keep), dim=-1, index=order, src=keep)
+
+
+# ------------------------------------------------------------------------------------------------
+# The stop rule
+
+
+class StableAndConfident:
+    """Stop a row when its argmax canvas equals that of each of the previous `stability_threshold` steps
+    and the mean entropy over the positions that matter is below `confidence_threshold`."""
+
+    def __init__(self, stability_threshold: int, confidence_threshold: float, canvas_shape=None, device=None):
+        self.stability_threshold = stability_threshold
+        self.confidence_threshold = confidence_threshold
+        self.history: torch.Tensor | None = None  # [stability_threshold, B, C], -1 before the first steps
+        if canvas_shape is not None and stability_threshold > 0:  # needed when the first call sees some rows
+            self.history = torch.full((stability_threshold, *canvas_shape), -1, dtype=torch.long, device=device)
+
+    def __call__(
+        self,
+        argmax: torch.Tensor,
+        entropy: torch.Tensor,
+        counted: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`counted` [b, C] selects the positions that enter the rule (all by default); `rows` says which rows
+        of the full batch these b rows are (all by default)."""
+        if self.stability_threshold == 0:
+            stable = torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+        else:
+            if self.history is None:
+                self.history = argmax.new_full((self.stability_threshold, *argmax.shape), -1)
+            history = self.history if rows is None else self.history[:, rows]
+            same = history == argmax[None]
+            if counted is not None:
+                same |= ~counted[None]
+            stable = same.all(dim=-1).all(dim=0)
+            history = torch.roll(history, shifts=-1, dims=0)
+            history[-1] = argmax
+            if rows is None:
+                self.history = history
+            else:
+                self.history[:, rows] = history
+        if counted is None:
+            mean_entropy = entropy.mean(-1)
+        else:
+            mean_entropy = (entropy * counted).sum(-1) / counted.sum(-1).clamp(min=1)
+        return stable & (mean_entropy < self.confidence_threshold)
+
+
+# ------------------------------------------------------------------------------------------------
+# One step's transition of the canvas, given the step's processed (temperature-scaled) logits
+
+
+@dataclass
+class Transition:
+    tokens: torch.Tensor  # [B, C] the next (noisy) canvas
+    argmax: torch.Tensor  # [B, C] the draft
+    accepted: torch.Tensor  # [B, C] bool
+    entropy: torch.Tensor  # [B, C]
+    soft_embeds: torch.Tensor | None = None  # [B, C, M] (fast transition)
+
+
+def reference_transition(logits: torch.Tensor, canvas: torch.Tensor, bound: float) -> Transition:
+    """transformers' step: draw everywhere, accept by entropy bound, renoise the rest (global generator)."""
+    b, c, v = logits.shape
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    sampled = torch.multinomial(probs.view(-1, v), num_samples=1).view(b, c)
+    del probs
+    argmax = logits.argmax(-1)
+    entropy = entropy_reference(logits)
+    accept = entropy_bound_mask_reference(entropy, bound)
+    tokens = torch.where(accept, sampled, canvas)
+    tokens = torch.where(~accept, random_tokens((b, c), v, logits.device), tokens)
+    return Transition(tokens, argmax, accept, entropy)
+
+
+def fast_transition(
+    logits: torch.Tensor,
+    sampler: Sampler,
+    step_index: int,
+    pinned: torch.Tensor,
+    pin_values: torch.Tensor,
+    generator: torch.Generator | None = None,
+    embedding: torch.Tensor | None = None,
+    embed_scale: torch.Tensor | None = None,
+) -> Transition:
+    """The same distribution as `reference_transition` for the entropy-bound sampler, computed with
+    [chunk, V] temporaries, drawing only at accepted positions. Pinned positions keep their values."""
+    stats = canvas_stats(logits, embedding, embed_scale)
+    accept = sampler.accept(stats, step_index, ~pinned)
+    drawn = draw(logits, accept, generator)
+    noise = random_tokens(drawn.shape, logits.shape[-1], logits.device, generator)
+    tokens = torch.where(pinned, pin_values, torch.where(accept, drawn, noise))
+    argmax = torch.where(pinned, pin_values, stats.argmax)
+    return Transition(tokens, argmax, accept | pinned, stats.entropy, stats.soft_embeds)

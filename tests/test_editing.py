@@ -1,0 +1,81 @@
+"""Infilling, editing and templates: given positions are kept, holes are generated, bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgemma import edit, fill, infill
+from dgemma.testing import load_quiet
+
+KW = dict(max_denoising_steps=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(moe_ckpt):
+    return load_quiet(moe_ckpt[0], dtype="fp32")
+
+
+def test_fill_keeps_given_tokens_and_fills_holes(model):
+    template = [None, 5, None, 7, None, None, 9, None, None, None, 11, None]  # spans two canvases of 8
+    r = fill(model, template, **KW)
+    out = r.tokens[0]
+    assert len(out) == len(template)
+    assert all(o == t for o, t in zip(out, template, strict=True) if t is not None)
+    assert r.stats.canvases == 2
+    batch = fill(model, [[None, 3, None], [4, None, 4]], prompt=[[2, 8], [2]], **KW)
+    assert batch.tokens[0][1] == 3 and batch.tokens[1][0] == batch.tokens[1][2] == 4
+
+
+def test_infill_with_given_length_keeps_both_sides(model):
+    r = infill(model, [5, 6, 7], [40, 41, 42], 3, **KW)
+    assert r.middle_length == 3 and len(r.middle) == 3
+    assert r.tokens == [5, 6, 7, *r.middle, 40, 41, 42]
+    # the canvas held [middle | suffix | end-of-text fill]
+    assert r.result.tokens[0][3:6] == [40, 41, 42] and r.result.tokens[0][6:] == [1, 1]
+
+
+def test_infill_auto_length_scores_candidates(model):
+    r = infill(model, [5, 6, 7], [40, 41], **KW)
+    assert set(r.scores) == {2, 4} and r.middle_length == max(r.scores, key=r.scores.get)
+    assert len(r.middle) == r.middle_length
+
+
+def test_edit_rewrites_only_the_span(model):
+    text = list(range(10, 30))
+    r = edit(model, text, (4, 7), **KW)
+    assert r.tokens[:4] == text[:4] and r.tokens[7:] == text[7:] and len(r.tokens) == len(text)
+    longer = edit(model, text, (4, 7), new_length=5, **KW)
+    assert len(longer.tokens) == len(text) + 2 and longer.tokens[9:] == text[7:]
+    inserted = edit(model, text, (0, 0), new_length=2, **KW)
+    assert inserted.tokens[2:] == text
+
+
+def test_text_api_with_tokenizer(model, tmp_path):
+    from dgemma.testing import make_tokenizer
+
+    tok = make_tokenizer(512)
+    r = infill(model, "def f(x):\n    ", "\n    return y", 4, tokenizer=tok, **KW)
+    assert r.text.startswith("def f(x):\n    ") and r.text.endswith("\n    return y")
+    assert r.middle_text == tok.decode(r.middle)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: fill(m, []), "non-empty list"),
+        (lambda m: fill(m, [1, 2, 3]), "no hole"),
+        (lambda m: fill(m, [None, 999]), "outside the vocabulary"),
+        (lambda m: fill(m, [[None], [None, 1]]), "same length"),
+        (lambda m: fill(m, [[None], [None]], prompt=[[1], [2], [3]]), "3 prompts for 2 templates"),
+        (lambda m: infill(m, [5], [6], middle_length=0), "middle_length must be"),
+        (lambda m: infill(m, [5], [6], middle_length=99), "middle_length must be"),
+        (lambda m: infill(m, "text", [6]), "needs a tokenizer"),
+        (lambda m: edit(m, [5, 6, 7], (2, 9)), "not within the text"),
+        (lambda m: edit(m, [5, 6, 7], (2, 1)), "not within the text"),
+        (lambda m: edit(m, [5, 6, 7], (1, 1)), "give new_length"),
+        (lambda m: edit(m, [5, 6, 7], "1:2"), "span must be"),
+    ],
+)
+def test_bad_input(model, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(model)
