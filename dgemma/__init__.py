@@ -10,6 +10,7 @@ logits = model.denoise(canvas_ids, cache)             # one bidirectional denois
 from .ar import generate_ar, stream_ar
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters, preset
 from .editing import edit, fill, infill
+from .fast import accelerate, restore
 from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
@@ -30,6 +31,7 @@ __all__ = [
     "TextConfig",
     "Tokenizer",
     "__version__",
+    "accelerate",
     "build",
     "count_parameters",
     "edit",
@@ -39,6 +41,7 @@ __all__ = [
     "infill",
     "load",
     "preset",
+    "restore",
     "save",
     "stream",
     "stream_ar",

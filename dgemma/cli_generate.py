@@ -90,6 +90,7 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
 def load_model_and_tokenizer(args: argparse.Namespace):
     import torch
 
+    from .fast import accelerate
     from .tokenizer import Tokenizer
     from .weights import load
 
@@ -99,6 +100,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     tokenizer = Tokenizer.from_dir(directory)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load(directory, dtype=args.dtype, device=device, progress=sys.stderr.isatty())
+    if getattr(args, "mode", "fast") == "fast":  # exact mode keeps the reference forward paths
+        accelerate(model, compile=getattr(args, "compile", False))
     if tokenizer.vocab_size > model.text_config.vocab_size:
         raise ValueError(
             f"tokenizer.json has {tokenizer.vocab_size} tokens but the model only {model.text_config.vocab_size}"

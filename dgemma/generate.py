@@ -299,6 +299,11 @@ class _Loop:
             else:
                 self.gen = torch.Generator(device=self.device).manual_seed(p.seed)
         self.sampler = p.make_sampler()
+        # per-step constants, made once: temperatures by remaining step, and the embedding scale
+        n = p.max_denoising_steps
+        self.temperatures = {s: temperature(s, n, p.t_min, p.t_max, self.device) for s in range(1, n + 1)}
+        w = model.embed_tokens.weight
+        self.embedding, self.embed_scale = w, model.embed_scale(w.dtype)
         self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
         self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
         self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
@@ -338,7 +343,7 @@ class _Loop:
         self.passes += counted
         st.steps += counted
         logits = self.model.denoise(st.tokens, self.cache, self_conditioning_logits=st.sc)
-        processed = logits / temperature(step, self.p.max_denoising_steps, self.p.t_min, self.p.t_max, self.device)
+        processed = logits / self.temperatures[step]
         t = reference_transition(processed, st.tokens, self.p.entropy_bound)
         tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
         if st.done.any():  # stopped rows keep their state
@@ -353,35 +358,34 @@ class _Loop:
 
     def _fast_step(self, st: _Canvas, step: int, stopper: StableAndConfident):
         """The same step for the rows still denoising, with one full-vocabulary buffer and draws where accepted."""
-        rows = (~st.done).nonzero().squeeze(-1)
-        everyone = rows.numel() == self.b
-        pick = (lambda t: t) if everyone else (lambda t: t[rows])
-        cache = self.cache if everyone else self.cache.rows(rows)
+        active = ~st.done
+        everyone = bool(active.all())
+        if everyone:  # the common case: no gathers and scatters
+            rows, cache = slice(None), self.cache
+            tokens, sc, pinned, pin_values, needed = st.tokens, st.sc, st.pinned, st.pin_values, st.needed
+        else:
+            rows = active.nonzero().squeeze(-1)
+            cache = self.cache.rows(rows)
+            tokens, pinned, pin_values, needed = st.tokens[rows], st.pinned[rows], st.pin_values[rows], st.needed[rows]
+            sc = None if st.sc is None else st.sc[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
-        logits = self.model.denoise(
-            pick(st.tokens), cache, self_conditioning_embeds=None if st.sc is None else pick(st.sc)
-        )
-        logits.div_(temperature(step, self.p.max_denoising_steps, self.p.t_min, self.p.t_max, self.device))
-        w = self.model.embed_tokens.weight
-        pinned = pick(st.pinned)
-        t = fast_transition(
-            logits,
-            self.sampler,
-            self.p.max_denoising_steps - step + 1,
-            pinned,
-            pick(st.pin_values),
-            self.gen,
-            w,
-            self.model.embed_scale(w.dtype),
-        )
+        logits = self.model.denoise(tokens, cache, self_conditioning_embeds=sc)
+        logits.div_(self.temperatures[step])
+        t = fast_transition(logits, self.sampler, self.p.max_denoising_steps - step + 1, pinned, pin_values,
+                            self.gen, self.embedding, self.embed_scale)
         del logits
-        finished = stopper(t.argmax, t.entropy, pick(st.needed) & ~pinned, None if everyone else rows)
+        finished = stopper(t.argmax, t.entropy, needed & ~pinned, None if everyone else rows)
         if self.p.early_commit:
-            settled = (t.argmax == pick(st.argmax)) & (t.entropy < self.p.early_commit_entropy)
-            st.stable_steps[rows] = torch.where(settled, pick(st.stable_steps) + 1, 0)
+            settled = (t.argmax == st.argmax[rows]) & (t.entropy < self.p.early_commit_entropy)
+            st.stable_steps[rows] = torch.where(settled, st.stable_steps[rows] + 1, 0)
+        if everyone:
+            st.tokens, st.argmax, st.sc = t.tokens, t.argmax, t.soft_embeds
+            st.done = st.done | finished
+            return t.accepted
         if st.sc is None:
             st.sc = t.soft_embeds.new_zeros(self.b, self.c, t.soft_embeds.shape[-1])
+        st.tokens, st.argmax = st.tokens.clone(), st.argmax.clone()  # drafts already handed out stay as they were
         st.tokens[rows], st.argmax[rows], st.sc[rows] = t.tokens, t.argmax, t.soft_embeds
         st.done[rows] |= finished
         accepted = torch.zeros(self.b, self.c, dtype=torch.bool, device=self.device)
@@ -393,6 +397,7 @@ class _Loop:
         ready = (st.stable_steps >= self.p.early_commit_steps) | st.pinned
         ready &= st.needed
         lead = ready.long().cumprod(-1).sum(-1).tolist()
+        needed = st.needed.sum(-1).tolist()
         for r in range(self.b):
             if self.out.finished(r) or lead[r] <= st.frontier[r]:
                 continue
@@ -403,7 +408,7 @@ class _Loop:
             event = self.out.take(r, st.argmax[r, a:z].tolist(), k, early=True)
             if event:
                 yield event
-            if self.out.finished(r):
+            if self.out.finished(r) or z >= needed[r]:  # nothing left to denoise in this canvas
                 st.done[r] = True
 
     def run(self) -> Iterator[Event]:
@@ -419,7 +424,7 @@ class _Loop:
                     accepted = self._exact_step(st, step, stopper, finished_rows)
                 else:
                     accepted = self._fast_step(st, step, stopper)
-                yield DraftEvent(k, n, st.argmax.clone(), accepted)
+                yield DraftEvent(k, n, st.argmax, accepted)
                 if p.early_commit:
                     yield from self._early_commit(st, k)
                 if bool(st.done.all()):

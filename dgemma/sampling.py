@@ -55,18 +55,24 @@ class CanvasStats:
     soft_embeds: torch.Tensor | None  # [B, C, M] softmax(logits) @ embedding * scale, when asked for
 
 
+def _chunk_rows(vocab: int) -> int:
+    """Rows per chunk so that a [chunk, V] fp32 temporary stays near 2 MB (at most 64 rows)."""
+    return max(1, min(64, 2**19 // vocab))
+
+
 @torch.no_grad()
 def canvas_stats(
     logits: torch.Tensor,
     embedding: torch.Tensor | None = None,
     embed_scale: torch.Tensor | None = None,
-    chunk: int = 64,
+    chunk: int | None = None,
 ) -> CanvasStats:
     """Entropy, argmax, confidence and (optionally) the soft embedding, in one pass over row chunks.
 
     Only [chunk, V] temporaries are allocated besides the logits themselves.
     """
     b, c, v = logits.shape
+    chunk = chunk or _chunk_rows(v)
     flat = logits.view(b * c, v)
     n = flat.shape[0]
     entropy = flat.new_empty(n)
@@ -97,13 +103,14 @@ def canvas_stats(
 
 @torch.no_grad()
 def draw(
-    logits: torch.Tensor, where: torch.Tensor, generator: torch.Generator | None = None, chunk: int = 64
+    logits: torch.Tensor, where: torch.Tensor, generator: torch.Generator | None = None, chunk: int | None = None
 ) -> torch.Tensor:
     """One sample from softmax(logits) at each position where `where` is True; other entries are 0.
 
     Exactly the distribution of drawing everywhere and keeping the accepted draws, at a fraction of the cost.
     """
     b, c, v = logits.shape
+    chunk = chunk or _chunk_rows(v)
     out = torch.zeros(b * c, dtype=torch.long, device=logits.device)
     positions = where.reshape(-1).nonzero().squeeze(-1)
     flat = logits.view(b * c, v)

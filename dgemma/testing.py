@@ -271,3 +271,22 @@ def dense_checkpoint_from_oracle(src: str | Path, dst: str | Path) -> Path:
     config.pop("vision_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+@torch.no_grad()
+def make_copy_model(model, sharpness: float = 10.0):
+    """Turn a dgemma model into one that predicts each canvas position's own input token, confidently.
+
+    Every layer's and the self-conditioning block's output projections are zeroed, so the final hidden state
+    is the normalised input embedding and the tied head scores the input token highest. A random canvas is
+    then already a fixed point: drafts are stable from the first step, which exercises stopping and early
+    commit deterministically. Returns the model (changed in place).
+    """
+    for layer in model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        if layer.experts is not None:
+            layer.experts.down_proj.zero_()
+    model.self_conditioning.down_proj.weight.zero_()
+    model.embed_tokens.weight.mul_(sharpness)
+    return model

@@ -11,7 +11,7 @@ import torch
 from dgemma import SamplingParams
 from dgemma.ar import generate_ar
 from dgemma.generate import DoneEvent, DraftEvent, Session, TokensEvent, generate, left_pad, stream
-from dgemma.testing import load_quiet
+from dgemma.testing import load_quiet, make_copy_model
 
 EOS = 1
 
@@ -148,21 +148,39 @@ def test_stream_events(pair):
     assert s.tokens_per_second > 0 and s.prompt_tokens == [3, 2]
 
 
-def test_early_commit_streams_first_and_keeps_what_it_streamed(pair):
+def test_early_commit_streams_first_and_keeps_what_it_streamed(moe_ckpt):
+    model = make_copy_model(load_quiet(moe_ckpt[0], dtype="fp32"))  # drafts settle at once
+    kw = dict(seed=0, max_new_tokens=12, max_denoising_steps=8, stop_token_ids=[], stability_threshold=8)
+
+    def run(**extra):
+        events = list(stream(model, [5, 6, 7], **kw, **extra))
+        first = next(i for i, e in enumerate(events) if isinstance(e, TokensEvent))
+        return events, sum(isinstance(e, DraftEvent) for e in events[:first])
+
+    normal, steps_normal = run()
+    early, steps_early = run(early_commit=True, early_commit_steps=2)
+    assert steps_normal == 8 and steps_early == 2  # the first text comes after 2 steps instead of 8
+    assert all(e.early for e in early if isinstance(e, TokensEvent))
+    result = early[-1].result
+    streamed = [t for e in early if isinstance(e, TokensEvent) for t in e.tokens]
+    assert streamed == result.tokens[0] and len(streamed) == 12
+    assert streamed[:8] == normal[-1].result.tokens[0][:8]  # same first canvas (later ones draw other noise)
+    assert result.stats.steps_per_canvas == [[2, 2]], "a canvas ends once all its needed tokens are committed"
+
+
+def test_early_commit_freezes_tokens(pair):
+    """On a model whose drafts keep changing, committed tokens are still never changed afterwards."""
     _, model = pair
-    kw = dict(seed=0, max_new_tokens=24, max_denoising_steps=12, stop_token_ids=[])
-    events = list(stream(model, [5, 6, 7], early_commit=True, early_commit_steps=2, early_commit_entropy=20.0, **kw))
-    early = [e for e in events if isinstance(e, TokensEvent) and e.early]
-    assert early, "with a lenient entropy threshold settled tokens stream before the canvas ends"
-    result = events[-1].result
-    streamed = [t for e in events if isinstance(e, TokensEvent) for t in e.tokens]
-    assert streamed == result.tokens[0] and len(streamed) == 24
-    first_token = next(i for i, e in enumerate(events) if isinstance(e, TokensEvent))
-    steps_before = sum(isinstance(e, DraftEvent) for e in events[:first_token])
-    assert steps_before < 12
-    # frozen tokens stay: every early token is in the final canvas at its position
-    drafts = [e for e in events if isinstance(e, DraftEvent)]
-    assert torch.equal(drafts[-1].drafts[0], result.sequences[0, -8:])
+    events = list(stream(model, [5, 6, 7], seed=0, max_new_tokens=8, max_denoising_steps=12, stop_token_ids=[],
+                         early_commit=True, early_commit_steps=1, early_commit_entropy=50.0))
+    committed = {}
+    for e in events:
+        if isinstance(e, TokensEvent):
+            start = sum(len(t) for t in committed.values())
+            committed[start] = e.tokens
+        elif isinstance(e, DraftEvent):
+            for start, tokens in committed.items():
+                assert e.drafts[0, start : start + len(tokens)].tolist() == tokens
 
 
 def test_samplers_run_end_to_end(pair):

@@ -1,0 +1,189 @@
+"""Generation speed: dgemma (exact and fast modes) vs transformers' generate, and diffusion vs AR decoding.
+
+Same random weights (built by transformers, loaded by dgemma), same prompt, same settings, one process,
+warm, on the `tiny` (canvas 32) and `small` (~70M parameters, 32k vocabulary, canvas 256) presets. The
+adaptive stop is disabled (random weights never become confident anyway) so every canvas runs the same
+number of denoising steps in every engine. Peak memory is the process's peak resident set size during
+the run minus the resident size before it (model and cache already allocated), via /proc (Linux).
+
+Prints a table and ends with one JSON line. Run: python benchmarks/generate_speed.py [--sizes tiny small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import re
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import dgemma
+from dgemma.ar import generate_ar
+from dgemma.config import DiffusionGemmaConfig, preset
+from dgemma.fast import accelerate, restore
+from dgemma.testing import TINY_VISION, load_quiet
+
+SIZES = {
+    # preset, canvas length, denoising steps per canvas, prompt length, canvases, repeats
+    "tiny": dict(preset="tiny", canvas=32, steps=16, prompt=32, canvases=2, repeats=5),
+    "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=2),
+}
+
+
+def _rss_kb(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+class PeakMemory:
+    """Peak resident memory above the level at entry, in MB (Linux /proc; 0 elsewhere)."""
+
+    def __enter__(self):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so RSS is what is in use
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+            self.base = _rss_kb("VmRSS")
+        except OSError:
+            self.base = None
+        return self
+
+    def __exit__(self, *exc):
+        self.mb = 0.0 if self.base is None else max(_rss_kb("VmHWM") - self.base, 0) / 1024
+
+
+def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> float:
+    """Multiply-adds x 2 of one denoising step of one canvas: matmuls, LM head, soft embedding, attention."""
+    t = config.text_config
+    counts = dgemma.count_parameters(config)
+    embedding = t.vocab_size * t.hidden_size
+    flops = 2 * canvas * (counts["active"] - embedding)  # every active weight matrix once per token
+    flops += 2 * 2 * canvas * embedding  # LM head and the self-conditioning soft embedding
+    for spec in t.layers:
+        keys = (min(prefix, t.sliding_window - 1) if spec.is_sliding else prefix) + canvas
+        flops += 2 * 2 * canvas * keys * t.num_attention_heads * spec.head_dim
+    return float(flops)
+
+
+def build_pair(size: dict, directory: Path):
+    from transformers import DiffusionGemmaConfig as HFConfig
+    from transformers import DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
+
+    config = preset(size["preset"])
+    text = config.text_config.to_dict()
+    text.pop("model_type")
+    hf = HFConfig(text_config=DiffusionGemmaTextConfig(**text), vision_config=TINY_VISION,
+                  canvas_length=size["canvas"])
+    torch.manual_seed(0)
+    oracle = DiffusionGemmaForBlockDiffusion(hf).eval()
+    oracle.save_pretrained(directory)
+    return oracle, load_quiet(directory, dtype="fp32")
+
+
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall time of `repeats` warm calls, their peak memory, and the last result."""
+    times, peak, out = [], 0.0, None
+    for _ in range(repeats):
+        with PeakMemory() as mem:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+        peak = max(peak, mem.mb)
+    return statistics.median(times), peak, out
+
+
+def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
+    oracle, model = build_pair(size, tmp / name)
+    c, n, canvases = size["canvas"], size["steps"], size["canvases"]
+    vocab = model.text_config.vocab_size
+    prompt = torch.randint(3, vocab, (1, size["prompt"]), generator=torch.Generator().manual_seed(0))
+    settings = dict(max_new_tokens=c * canvases, max_denoising_steps=n, confidence_threshold=1e-30)
+    steps = n * canvases
+
+    def reference():
+        with torch.no_grad():
+            return oracle.generate(input_ids=prompt, **settings)
+
+    def ours(mode):
+        return lambda: dgemma.generate(model, prompt[0].tolist(), mode=mode, seed=0, stop_token_ids=[], **settings)
+
+    # engine -> (how to set the model up, what to run)
+    engines = {
+        "transformers": (lambda: None, reference),
+        "dgemma exact": (lambda: restore(model), ours("exact")),
+        "dgemma fast": (lambda: accelerate(model), ours("fast")),
+        "dgemma fast+compile": (lambda: accelerate(model, compile=compile_), ours("fast")),
+    }
+    rows = {}
+    for engine, (setup, fn) in engines.items():
+        if engine.endswith("compile") and not compile_:
+            continue
+        setup()
+        t0 = time.perf_counter()
+        fn()  # warm-up (and the one-off compile)
+        warmup = time.perf_counter() - t0
+        seconds, peak, _ = timed(fn, size["repeats"])
+        rows[engine] = {"s_per_run": seconds, "ms_per_step": 1000 * seconds / steps,
+                        "ms_per_canvas": 1000 * seconds / canvases, "peak_mb": peak, "warmup_s": warmup}
+    flops = denoise_flops(model.config, c, size["prompt"] + c)
+    for r in rows.values():
+        r["gflops"] = flops / (r["ms_per_step"] / 1000) / 1e9
+        r["speedup"] = rows["transformers"]["ms_per_step"] / r["ms_per_step"]
+    # diffusion vs autoregressive decoding on the same weights (both on the accelerated eager model)
+    restore(model)
+    accelerate(model)
+    generate_ar(model, prompt[0].tolist(), 8, stop_token_ids=[])
+    ar_seconds, _, _ = timed(lambda: generate_ar(model, prompt[0].tolist(), c, stop_token_ids=[]), 1)
+    ar_tps = c / ar_seconds
+    fast_step = rows["dgemma fast"]["ms_per_step"] / 1000
+    logits_mb = c * vocab * 4 / 2**20
+    return {
+        "size": name, "params": dgemma.count_parameters(model.config)["total"], "canvas": c, "steps_per_canvas": n,
+        "canvases": canvases, "prompt": size["prompt"], "vocab": vocab, "gflop_per_step": flops / 1e9,
+        "logits_buffer_mb": logits_mb, "engines": rows, "ar_tokens_per_s": ar_tps,
+        "diffusion_tokens_per_s": c / (fast_step * n),
+        # a canvas beats AR when it needs fewer steps than this (time of c AR tokens / time of one step)
+        "crossover_steps_per_canvas": (c / ar_tps) / fast_step,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "small"])
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sizes:
+            results.append(run_size(name, SIZES[name], Path(tmp), not args.no_compile))
+    print(f"{'size':6s} {'engine':20s} {'ms/canvas':>10s} {'ms/step':>9s} {'GFLOP/s':>8s} {'peak MB':>8s} "
+          f"{'vs transformers':>16s} {'warm-up s':>10s}")
+    for r in results:
+        for engine, e in r["engines"].items():
+            print(f"{r['size']:6s} {engine:20s} {e['ms_per_canvas']:10.1f} {e['ms_per_step']:9.2f} "
+                  f"{e['gflops']:8.2f} {e['peak_mb']:8.1f} {e['speedup']:15.2f}x {e['warmup_s']:10.1f}")
+    print()
+    for r in results:
+        print(f"{r['size']}: {r['params'] / 1e6:.1f}M params, canvas {r['canvas']}, {r['steps_per_canvas']} steps "
+              f"per canvas, {r['gflop_per_step']:.2f} GFLOP per step, one fp32 canvas x vocab buffer "
+              f"{r['logits_buffer_mb']:.1f} MB; diffusion (fast) {r['diffusion_tokens_per_s']:.0f} tok/s vs AR "
+              f"{r['ar_tokens_per_s']:.0f} tok/s; diffusion wins below {r['crossover_steps_per_canvas']:.1f} "
+              "steps per canvas")
+    print(json.dumps({"benchmark": "generate_speed", "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

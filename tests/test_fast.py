@@ -1,0 +1,66 @@
+"""The fast forward paths give the reference's numbers (to float rounding), each path forced in turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgemma.fast as fast
+from dgemma import build, preset
+from dgemma.testing import load_quiet
+
+
+@pytest.fixture()
+def model(moe_ckpt):
+    return load_quiet(moe_ckpt[0], dtype="fp32")
+
+
+def _run(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 512, (2, 30), generator=g)
+    cache = model.new_cache(2, 64)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :9] = 0
+    hidden = model.encode(ids, cache, attention_mask=mask).hidden_states
+    canvas = torch.randint(0, 512, (2, 8), generator=g)
+    first = model.denoise(canvas, cache)
+    second = model.denoise(canvas, cache, first / 0.7)
+    return hidden, first, second
+
+
+@pytest.mark.parametrize("experts", ["dense", "sorted"])
+def test_accelerated_model_matches_reference(model, monkeypatch, experts):
+    ref = _run(model)
+    monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15 if experts == "dense" else -1)
+    fast.accelerate(model)
+    assert fast.is_accelerated(model)
+    out = _run(model)
+    for a, b in zip(ref, out, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    fast.restore(model)
+    assert not fast.is_accelerated(model)
+    assert all(torch.equal(a, b) for a, b in zip(ref, _run(model), strict=True))
+
+
+def test_accelerated_bf16_and_dense_only_models():
+    for name in ("tiny", "tiny-dense"):
+        m = build(preset(name), dtype=torch.bfloat16)
+        ids = torch.randint(3, 512, (1, 12))
+        cache = m.new_cache(1, 32)
+        ref = m.encode(ids, cache, return_logits=True).logits
+        fast.accelerate(m)
+        cache = m.new_cache(1, 32)
+        out = m.encode(ids, cache, return_logits=True).logits
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, rtol=0.02, atol=0.05)
+
+
+def test_sorted_experts_handle_unused_experts():
+    m = build(preset("tiny"))
+    layer = m.layers[0]
+    x = torch.randn(5, 64)
+    index = torch.tensor([[0, 2]] * 5)  # experts 1 and 3 get no tokens
+    weights = torch.rand(5, 2)
+    ref = layer.experts(x, weights, index)
+    torch.testing.assert_close(fast._experts_sorted(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast._experts_dense(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
