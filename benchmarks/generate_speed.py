@@ -3,8 +3,9 @@
 Same random weights (built by transformers, loaded by dgemma), same prompt, same settings, one process,
 warm, on the `tiny` (canvas 32) and `small` (~70M parameters, 32k vocabulary, canvas 256) presets. The
 adaptive stop is disabled (random weights never become confident anyway) so every canvas runs the same
-number of denoising steps in every engine. Peak memory is the process's peak resident set size during
-the run minus the resident size before it (model and cache already allocated), via /proc (Linux).
+number of denoising steps in every engine. Peak memory is the most tensor storage alive at once during a
+generation, counted op by op (a TorchDispatchMode): everything allocated beyond the model's weights,
+the KV cache included.
 
 Prints a table and ends with one JSON line. Run: python benchmarks/generate_speed.py [--sizes tiny small]
 """
@@ -12,17 +13,17 @@ Prints a table and ends with one JSON line. Run: python benchmarks/generate_spee
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
-import re
 import statistics
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import dgemma
 from dgemma.ar import generate_ar
@@ -32,30 +33,45 @@ from dgemma.testing import TINY_VISION, load_quiet
 
 SIZES = {
     # preset, canvas length, denoising steps per canvas, prompt length, canvases, repeats
-    "tiny": dict(preset="tiny", canvas=32, steps=16, prompt=32, canvases=2, repeats=5),
-    "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=2),
+    "tiny": dict(preset="tiny", canvas=32, steps=16, prompt=32, canvases=2, repeats=9),
+    "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=3),
 }
 
 
-def _rss_kb(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+class TensorMemory(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated while active and alive at the same time (views and outputs
+    that reuse an input's storage add nothing). Independent of the allocator's caching and of the OS."""
 
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
 
-class PeakMemory:
-    """Peak resident memory above the level at entry, in MB (Linux /proc; 0 elsewhere)."""
+    def _release(self, key: int) -> None:
+        entry = self.refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.refs[key]
 
-    def __enter__(self):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so RSS is what is in use
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
-            self.base = _rss_kb("VmRSS")
-        except OSError:
-            self.base = None
-        return self
-
-    def __exit__(self, *exc):
-        self.mb = 0.0 if self.base is None else max(_rss_kb("VmHWM") - self.base, 0) / 1024
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors_in}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0 or (key in inputs and key not in self.refs):
+                continue  # a view of (or an in-place result on) memory allocated before we started
+            if key in self.refs:
+                self.refs[key][0] += 1
+            else:
+                self.refs[key] = [1, t.untyped_storage().nbytes()]
+                self.live += self.refs[key][1]
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._release, key)
+        return out
 
 
 def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> float:
@@ -71,6 +87,16 @@ def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> flo
     return float(flops)
 
 
+def matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
+    """This machine's fp32 matmul rate on a large square product: the ceiling for matmul-bound steps."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
+
+
 def build_pair(size: dict, directory: Path):
     from transformers import DiffusionGemmaConfig as HFConfig
     from transformers import DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
@@ -78,24 +104,27 @@ def build_pair(size: dict, directory: Path):
     config = preset(size["preset"])
     text = config.text_config.to_dict()
     text.pop("model_type")
-    hf = HFConfig(text_config=DiffusionGemmaTextConfig(**text), vision_config=TINY_VISION,
-                  canvas_length=size["canvas"])
+    hf = HFConfig(text_config=DiffusionGemmaTextConfig(**text), vision_config=TINY_VISION, canvas_length=size["canvas"])
     torch.manual_seed(0)
     oracle = DiffusionGemmaForBlockDiffusion(hf).eval()
     oracle.save_pretrained(directory)
     return oracle, load_quiet(directory, dtype="fp32")
 
 
-def timed(fn, repeats: int) -> tuple[float, float, object]:
-    """Median wall time of `repeats` warm calls, their peak memory, and the last result."""
-    times, peak, out = [], 0.0, None
+def timed(fn, repeats: int) -> float:
+    """Median wall time of `repeats` warm calls."""
+    times = []
     for _ in range(repeats):
-        with PeakMemory() as mem:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-        peak = max(peak, mem.mb)
-    return statistics.median(times), peak, out
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_tensor_mb(fn) -> float:
+    with TensorMemory() as mem:
+        fn()
+    return mem.peak / 2**20
 
 
 def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
@@ -120,17 +149,35 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
         "dgemma fast": (lambda: accelerate(model), ours("fast")),
         "dgemma fast+compile": (lambda: accelerate(model, compile=compile_), ours("fast")),
     }
-    rows = {}
+    if not compile_:
+        engines.pop("dgemma fast+compile")
+    warmups = {}
     for engine, (setup, fn) in engines.items():
-        if engine.endswith("compile") and not compile_:
-            continue
         setup()
         t0 = time.perf_counter()
         fn()  # warm-up (and the one-off compile)
-        warmup = time.perf_counter() - t0
-        seconds, peak, _ = timed(fn, size["repeats"])
-        rows[engine] = {"s_per_run": seconds, "ms_per_step": 1000 * seconds / steps,
-                        "ms_per_canvas": 1000 * seconds / canvases, "peak_mb": peak, "warmup_s": warmup}
+        warmups[engine] = time.perf_counter() - t0
+    # Round robin, so that a slow spell of this shared machine hits every engine alike.
+    samples = {engine: [] for engine in engines}
+    for _ in range(size["repeats"]):
+        for engine, (setup, fn) in engines.items():
+            setup()
+            samples[engine].append(timed(fn, 1))
+    peaks = {}
+    for engine, (setup, fn) in engines.items():
+        if not engine.endswith("compile"):  # tensors inside compiled code are not visible to the tracker
+            setup()
+            peaks[engine] = peak_tensor_mb(fn)
+    rows = {}
+    for engine in engines:
+        seconds = statistics.median(samples[engine])
+        rows[engine] = {
+            "s_per_run": seconds,
+            "ms_per_step": 1000 * seconds / steps,
+            "ms_per_canvas": 1000 * seconds / canvases,
+            "peak_mb": peaks.get(engine),
+            "warmup_s": warmups[engine],
+        }
     flops = denoise_flops(model.config, c, size["prompt"] + c)
     for r in rows.values():
         r["gflops"] = flops / (r["ms_per_step"] / 1000) / 1e9
@@ -139,14 +186,22 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
     restore(model)
     accelerate(model)
     generate_ar(model, prompt[0].tolist(), 8, stop_token_ids=[])
-    ar_seconds, _, _ = timed(lambda: generate_ar(model, prompt[0].tolist(), c, stop_token_ids=[]), 1)
+    ar_seconds = timed(lambda: generate_ar(model, prompt[0].tolist(), c, stop_token_ids=[]), 1)
     ar_tps = c / ar_seconds
     fast_step = rows["dgemma fast"]["ms_per_step"] / 1000
     logits_mb = c * vocab * 4 / 2**20
     return {
-        "size": name, "params": dgemma.count_parameters(model.config)["total"], "canvas": c, "steps_per_canvas": n,
-        "canvases": canvases, "prompt": size["prompt"], "vocab": vocab, "gflop_per_step": flops / 1e9,
-        "logits_buffer_mb": logits_mb, "engines": rows, "ar_tokens_per_s": ar_tps,
+        "size": name,
+        "params": dgemma.count_parameters(model.config)["total"],
+        "canvas": c,
+        "steps_per_canvas": n,
+        "canvases": canvases,
+        "prompt": size["prompt"],
+        "vocab": vocab,
+        "gflop_per_step": flops / 1e9,
+        "logits_buffer_mb": logits_mb,
+        "engines": rows,
+        "ar_tokens_per_s": ar_tps,
         "diffusion_tokens_per_s": c / (fast_step * n),
         # a canvas beats AR when it needs fewer steps than this (time of c AR tokens / time of one step)
         "crossover_steps_per_canvas": (c / ar_tps) / fast_step,
@@ -165,24 +220,35 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    peak = matmul_gflops()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sizes:
             results.append(run_size(name, SIZES[name], Path(tmp), not args.no_compile))
-    print(f"{'size':6s} {'engine':20s} {'ms/canvas':>10s} {'ms/step':>9s} {'GFLOP/s':>8s} {'peak MB':>8s} "
-          f"{'vs transformers':>16s} {'warm-up s':>10s}")
+    print(
+        f"{'size':6s} {'engine':20s} {'ms/canvas':>10s} {'ms/step':>9s} {'GFLOP/s':>8s} {'peak MB':>8s} "
+        f"{'vs transformers':>16s} {'warm-up s':>10s}"
+    )
     for r in results:
         for engine, e in r["engines"].items():
-            print(f"{r['size']:6s} {engine:20s} {e['ms_per_canvas']:10.1f} {e['ms_per_step']:9.2f} "
-                  f"{e['gflops']:8.2f} {e['peak_mb']:8.1f} {e['speedup']:15.2f}x {e['warmup_s']:10.1f}")
+            peak_mb = "-" if e["peak_mb"] is None else f"{e['peak_mb']:.1f}"
+            print(
+                f"{r['size']:6s} {engine:20s} {e['ms_per_canvas']:10.1f} {e['ms_per_step']:9.2f} "
+                f"{e['gflops']:8.2f} {peak_mb:>8s} {e['speedup']:15.2f}x {e['warmup_s']:10.1f}"
+            )
     print()
     for r in results:
-        print(f"{r['size']}: {r['params'] / 1e6:.1f}M params, canvas {r['canvas']}, {r['steps_per_canvas']} steps "
-              f"per canvas, {r['gflop_per_step']:.2f} GFLOP per step, one fp32 canvas x vocab buffer "
-              f"{r['logits_buffer_mb']:.1f} MB; diffusion (fast) {r['diffusion_tokens_per_s']:.0f} tok/s vs AR "
-              f"{r['ar_tokens_per_s']:.0f} tok/s; diffusion wins below {r['crossover_steps_per_canvas']:.1f} "
-              "steps per canvas")
-    print(json.dumps({"benchmark": "generate_speed", "threads": args.threads, "results": results}))
+        print(
+            f"{r['size']}: {r['params'] / 1e6:.1f}M params, canvas {r['canvas']}, {r['steps_per_canvas']} steps "
+            f"per canvas, {r['gflop_per_step']:.2f} GFLOP per step, one fp32 canvas x vocab buffer "
+            f"{r['logits_buffer_mb']:.1f} MB; diffusion (fast) {r['diffusion_tokens_per_s']:.0f} tok/s vs AR "
+            f"{r['ar_tokens_per_s']:.0f} tok/s; diffusion wins below {r['crossover_steps_per_canvas']:.1f} "
+            "steps per canvas"
+        )
+    print(f"machine: fp32 matmul {peak:.0f} GFLOP/s on {args.threads} threads (1024^3), the matmul-bound ceiling")
+    print(
+        json.dumps({"benchmark": "generate_speed", "threads": args.threads, "matmul_gflops": peak, "results": results})
+    )
 
 
 if __name__ == "__main__":

@@ -187,15 +187,17 @@ def run_stream(events, tokenizer, args, printer: TextPrinter):
             elif isinstance(event, TokensEvent) and event.row == 0:
                 if view:
                     view.tokens(event.tokens)
-                if not args.json:
+                elif not args.json:
                     printer.add(event.tokens)
             elif isinstance(event, DoneEvent):
                 result = event.result
-        if not args.json:
-            printer.finish()
     finally:
         if view:
             view.__exit__(None, None, None)
+    if not args.json:
+        if view:  # the live view showed the text as it formed; the answer itself goes to stdout
+            printer.add(result.tokens[0])
+        printer.finish()
     return result
 
 

@@ -84,8 +84,9 @@ def accelerate(model: DiffusionGemma, *, compile: bool = False) -> DiffusionGemm
     if compile and "denoise" not in model.__dict__:
         # Experts that loop over a data-dependent split break the graph once per layer; allow one
         # compiled variant per layer instead of falling back to eager after the default 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   4 * model.text_config.num_hidden_layers)
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 4 * model.text_config.num_hidden_layers
+        )
         model.denoise = torch.compile(model.denoise)
     return model
 

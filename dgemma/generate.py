@@ -372,8 +372,16 @@ class _Loop:
         st.steps[rows] += 1
         logits = self.model.denoise(tokens, cache, self_conditioning_embeds=sc)
         logits.div_(self.temperatures[step])
-        t = fast_transition(logits, self.sampler, self.p.max_denoising_steps - step + 1, pinned, pin_values,
-                            self.gen, self.embedding, self.embed_scale)
+        t = fast_transition(
+            logits,
+            self.sampler,
+            self.p.max_denoising_steps - step + 1,
+            pinned,
+            pin_values,
+            self.gen,
+            self.embedding,
+            self.embed_scale,
+        )
         del logits
         finished = stopper(t.argmax, t.entropy, needed & ~pinned, None if everyone else rows)
         if self.p.early_commit:

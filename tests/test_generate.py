@@ -171,8 +171,19 @@ def test_early_commit_streams_first_and_keeps_what_it_streamed(moe_ckpt):
 def test_early_commit_freezes_tokens(pair):
     """On a model whose drafts keep changing, committed tokens are still never changed afterwards."""
     _, model = pair
-    events = list(stream(model, [5, 6, 7], seed=0, max_new_tokens=8, max_denoising_steps=12, stop_token_ids=[],
-                         early_commit=True, early_commit_steps=1, early_commit_entropy=50.0))
+    events = list(
+        stream(
+            model,
+            [5, 6, 7],
+            seed=0,
+            max_new_tokens=8,
+            max_denoising_steps=12,
+            stop_token_ids=[],
+            early_commit=True,
+            early_commit_steps=1,
+            early_commit_entropy=50.0,
+        )
+    )
     committed = {}
     for e in events:
         if isinstance(e, TokensEvent):
