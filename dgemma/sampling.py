@@ -56,8 +56,8 @@ class CanvasStats:
 
 
 def _chunk_rows(vocab: int) -> int:
-    """Rows per chunk so that a [chunk, V] fp32 temporary stays near 2 MB (at most 64 rows)."""
-    return max(1, min(64, 2**19 // vocab))
+    """Rows per chunk so that a [chunk, V] fp32 temporary stays near 1 MB (at most 64 rows)."""
+    return max(1, min(64, 2**18 // vocab))
 
 
 @torch.no_grad()
