@@ -54,92 +54,32 @@ def ckpt_with_tokenizer(moe_ckpt, tmp_path_factory):
 FAST = ["--max-denoising-steps", "3", "--seed", "0"]
 
 
+def _cli(command: str, ckpt, *args: str) -> int:
+    return main([command, "-m", str(ckpt), *args])
+
+
 def test_generate_prints_text_and_json(ckpt_with_tokenizer, capsys):
-    assert main(["generate", "-m", str(ckpt_with_tokenizer), "-p", "hello", "--max-new-tokens", "12", *FAST]) == 0
+    assert _cli("generate", ckpt_with_tokenizer, "-p", "hello", "--max-new-tokens", "12", *FAST) == 0
     text = capsys.readouterr().out
     assert text.endswith("\n") and len(text) > 1
-    assert (
-        main(
-            [
-                "generate",
-                "-m",
-                str(ckpt_with_tokenizer),
-                "-p",
-                "hello",
-                "--max-new-tokens",
-                "12",
-                "--json",
-                "--mode",
-                "exact",
-                *FAST,
-            ]
-        )
-        == 0
-    )
+    args = ("-p", "hello", "--max-new-tokens", "12", "--json", "--mode", "exact", *FAST)
+    assert _cli("generate", ckpt_with_tokenizer, *args) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["tokens"] <= 12 and info["canvases"] == 2 and info["steps_per_canvas"] == [3, 3]
 
 
 def test_generate_ar_raw_and_show_canvas(ckpt_with_tokenizer, capsys):
-    assert (
-        main(
-            [
-                "generate",
-                "-m",
-                str(ckpt_with_tokenizer),
-                "-p",
-                "x = ",
-                "--raw",
-                "--ar",
-                "--max-new-tokens",
-                "5",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert _cli("generate", ckpt_with_tokenizer, "-p", "x = ", "--raw", "--ar", "--max-new-tokens", "5", "--json") == 0
     assert json.loads(capsys.readouterr().out)["tokens"] <= 5
-    assert (
-        main(
-            [
-                "generate",
-                "-m",
-                str(ckpt_with_tokenizer),
-                "-p",
-                "x",
-                "--show-canvas",
-                "--early-commit",
-                "--max-new-tokens",
-                "8",
-                "--stats",
-                *FAST,
-            ]
-        )
-        == 0
-    )
+    args = ("-p", "x", "--show-canvas", "--early-commit", "--max-new-tokens", "8", "--stats", *FAST)
+    assert _cli("generate", ckpt_with_tokenizer, *args) == 0
     err = capsys.readouterr().err
     assert "canvas 1, step" in err and "tokens_per_forward" in err
 
 
 def test_infill_command(ckpt_with_tokenizer, capsys):
-    assert (
-        main(
-            [
-                "infill",
-                "-m",
-                str(ckpt_with_tokenizer),
-                "--prefix",
-                "a = (",
-                "--suffix",
-                ")",
-                "--middle-length",
-                "3",
-                "--json",
-                *FAST,
-            ]
-        )
-        == 0
-    )
+    args = ("--prefix", "a = (", "--suffix", ")", "--middle-length", "3", "--json", *FAST)
+    assert _cli("infill", ckpt_with_tokenizer, *args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].startswith("a = (") and out["text"].endswith(")") and out["middle_length"] == 3
 
