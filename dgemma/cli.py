@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from .cli_generate import register
+    from . import cli_generate, cli_train
 
-    register(sub)
+    cli_generate.register(sub)
+    cli_train.register(sub)
     return parser
 
 

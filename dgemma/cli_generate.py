@@ -40,6 +40,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="weight dtype (auto: as stored)"
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--adapter", type=Path, default=None, help="a LoRA adapter directory, merged into the weights")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +101,10 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     tokenizer = Tokenizer.from_dir(directory)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load(directory, dtype=args.dtype, device=device, progress=sys.stderr.isatty())
+    if args.adapter is not None:
+        from .train.lora import load_adapter
+
+        model = load_adapter(model, args.adapter, merge=True)
     if getattr(args, "mode", "fast") == "fast":  # exact mode keeps the reference forward paths
         accelerate(model, compile=getattr(args, "compile", False))
     if tokenizer.vocab_size > model.text_config.vocab_size:

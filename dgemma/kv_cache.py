@@ -11,6 +11,9 @@ Per layer, keys and values live in buffers allocated once:
 Rows of a batch share positions (position = index in the padded sequence, as in the reference);
 `valid[b, p]` is False where row b has left padding at position p, and every mask hides those keys.
 The cache can be reused across turns: each `encode` appends after what is there.
+
+Training uses `keep_all=True`: sliding layers then keep every position too, so that `prefix(n)` can show
+a denoising pass exactly the keys an earlier point of the sequence had (the window ending at position n).
 """
 
 from __future__ import annotations
@@ -33,19 +36,22 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        keep_all: bool = False,
     ):
         if batch_size <= 0 or max_length <= 0:
             raise ValueError(f"batch_size and max_length must be positive (got {batch_size}, {max_length})")
         self.batch_size = batch_size
         self.max_length = max_length
         self.window = config.sliding_window
+        self.keep_all = keep_all
         self.length = 0  # positions written so far (shared by all rows)
         self.valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.is_sliding: list[bool] = []
         for spec in config.layers:
-            slots = min(self.window - 1, max_length) if spec.is_sliding else max_length
+            ring = spec.is_sliding and not keep_all
+            slots = min(self.window - 1, max_length) if ring else max_length
             shape = (batch_size, spec.num_key_value_heads, slots, spec.head_dim)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -53,6 +59,7 @@ class KVCache:
         self._pending = 0  # tokens of the encode call in progress
         self.has_padding = False  # whether any written position is padding (decides if denoise needs masks)
         self._rows: torch.Tensor | None = None  # set on read-only row views (see rows())
+        self._read_only = False  # row and prefix views
         self._denoise_memo: tuple | None = None  # (key, result) of prepare_denoise while the cache is unchanged
 
     @property
@@ -74,9 +81,23 @@ class KVCache:
         view = copy.copy(self)
         base = self._rows
         view._rows = index if base is None else base[index]
+        view._read_only = True
         view.batch_size = int(index.numel())
         view.valid = self.valid[index]
         view._denoise_memo = None
+        return view
+
+    def prefix(self, length: int) -> KVCache:
+        """A read-only view of the first `length` positions, as the cache was when it held only those
+        (needs `keep_all`: a sliding ring has already forgotten the keys an earlier window needs)."""
+        if not self.keep_all:
+            raise ValueError("prefix views need a cache made with keep_all=True")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"prefix length {length} is outside the {self.length} written positions")
+        view = copy.copy(self)
+        view.length = length
+        view._denoise_memo = None
+        view._read_only = True
         return view
 
     def _check_batch(self, batch_size: int) -> None:
@@ -96,7 +117,7 @@ class KVCache:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
         self._check_batch(batch_size)
-        assert self._rows is None, "a row view of the cache is read-only"
+        assert not self._read_only, "a view of the cache is read-only"
         self._denoise_memo = None
         start, end = self.length, self.length + num_tokens
         if end > self.max_length:
@@ -154,13 +175,14 @@ class KVCache:
     # -- per-layer access (called from inside the attention of layer i) ------------------------------
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode: store the new k/v [B, Hkv, T, D]; return the keys/values to attend over [B, Hkv, S, D]."""
-        assert self._rows is None, "a row view of the cache is read-only"
+        assert not self._read_only, "a view of the cache is read-only"
         t = k.shape[2]
-        if not self.is_sliding[i]:
+        if not self.is_sliding[i] or self.keep_all:
             end = self.length + t
             self.keys[i][:, :, self.length : end] = k
             self.values[i][:, :, self.length : end] = v
-            return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+            start = end - t - self._num_cached(self.is_sliding[i])
+            return self.keys[i][:, :, start:end], self.values[i][:, :, start:end]
         keys, values = self.with_prefix(i, k, v)
         slots = self.keys[i].shape[2]
         m = min(keys.shape[2], slots)  # right-align the newest m positions
@@ -171,7 +193,8 @@ class KVCache:
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Denoise: [cached prefix ; k/v] without writing anything."""
         n = self._num_cached(self.is_sliding[i])
-        start = self.keys[i].shape[2] - n if self.is_sliding[i] else 0
+        ring = self.is_sliding[i] and not self.keep_all
+        start = self.keys[i].shape[2] - n if ring else self.length - n
         past_k, past_v = self.keys[i][:, :, start : start + n], self.values[i][:, :, start : start + n]
         if self._rows is not None:
             past_k, past_v = past_k.index_select(0, self._rows), past_v.index_select(0, self._rows)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import DiffusionGemmaConfig, GenerationConfig, LayerSpec, TextConfig
 from .kv_cache import KVCache
@@ -289,6 +290,9 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
         self._specs = {lt: t.layer(i) for i, lt in enumerate(t.layer_types)}  # one LayerSpec per layer type
+        # Recompute decoder layers in the backward pass instead of keeping their activations (training).
+        # Encoder layers are not checkpointed: they write the KV cache, which must happen once.
+        self.gradient_checkpointing = False
 
     # -- pieces shared by both verbs -----------------------------------------------------------------
     @property
@@ -325,8 +329,12 @@ class DiffusionGemma(nn.Module):
         is_encoder: bool,
     ) -> torch.Tensor:
         cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items()}
+        recompute = self.gradient_checkpointing and not is_encoder and torch.is_grad_enabled()
         for layer, lt in zip(self.layers, self.text_config.layer_types, strict=True):
-            x = layer(x, cos_sin[lt], cache, masks[lt], is_encoder)
+            if recompute:
+                x = checkpoint(layer, x, cos_sin[lt], cache, masks[lt], is_encoder, use_reentrant=False)
+            else:
+                x = layer(x, cos_sin[lt], cache, masks[lt], is_encoder)
         return self.norm(x)
 
     # -- the two verbs -----------------------------------------------------------------------------
@@ -397,10 +405,16 @@ class DiffusionGemma(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        keep_all: bool = False,
     ) -> KVCache:
-        """A preallocated KV cache for `batch_size` rows of up to `max_length` positions."""
+        """A preallocated KV cache for `batch_size` rows of up to `max_length` positions (see KVCache)."""
         return KVCache(
-            self.text_config, batch_size, max_length, dtype=dtype or self.dtype, device=device or self.device
+            self.text_config,
+            batch_size,
+            max_length,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+            keep_all=keep_all,
         )
 
     def _check_ids(self, ids: torch.Tensor) -> None:

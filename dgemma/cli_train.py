@@ -1,0 +1,80 @@
+"""`dgemma train` and `dgemma merge`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train (or resume training) as a YAML config describes."""
+    from .train.config import TrainConfig
+    from .train.trainer import TrainingDiverged, train
+
+    cfg = TrainConfig.from_yaml(args.config)
+    if args.steps is not None:
+        cfg.train.steps = args.steps
+    if args.out_dir is not None:
+        cfg.train.out_dir = str(Path(args.out_dir).resolve())
+    if args.no_resume:
+        cfg.train.resume = False
+    try:
+        result = train(cfg)
+    except TrainingDiverged as e:
+        print(f"dgemma train: {e}", file=sys.stderr)
+        return 3
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"trained {result.steps} steps; model: {result.final_dir}"
+            + (f"; eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
+    from .train.lora import load_adapter
+    from .weights import load, save
+
+    base = Path(args.base)
+    model = load(base, dtype=args.dtype)
+    merged = load_adapter(model, args.adapter, merge=True)
+    out = Path(args.out)
+    save(merged, out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (base / name).is_file():
+            shutil.copy(base / name, out / name)
+    print(f"merged {args.adapter} into {base}: {out}", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    t = sub.add_parser(
+        "train",
+        help="train or fine-tune (full or LoRA) from a YAML config",
+        description="Train a DiffusionGemma model with the block-diffusion objective, as CONFIG "
+        "describes (see dgemma/train/config.py and the recipes/ folder for the schema). Runs resume "
+        "from the latest checkpoint in the output directory. Multi-GPU: "
+        "torchrun --nproc_per_node N -m dgemma.cli train CONFIG.",
+    )
+    t.add_argument("config", type=Path, help="the YAML config")
+    t.add_argument("--steps", type=int, default=None, help="override train.steps")
+    t.add_argument("--out-dir", default=None, help="override train.out_dir")
+    t.add_argument("--no-resume", action="store_true", help="start over even if out_dir has a checkpoint")
+    t.set_defaults(func=cmd_train)
+
+    m = sub.add_parser(
+        "merge",
+        help="merge a LoRA adapter into its base checkpoint",
+        description="Add a LoRA adapter's deltas to its base weights and write a checkpoint that "
+        "loads without the adapter (tokenizer files are copied along).",
+    )
+    m.add_argument("base", type=Path, help="the base checkpoint directory")
+    m.add_argument("adapter", type=Path, help="the adapter directory (adapter_config.json, adapter_model.safetensors)")
+    m.add_argument("out", type=Path, help="where to write the merged checkpoint")
+    m.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    m.set_defaults(func=cmd_merge)

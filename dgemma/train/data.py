@@ -1,0 +1,173 @@
+"""Training data: JSONL records -> tokenised (prompt, response) examples, and their order.
+
+One record per line, in one of three forms:
+
+    {"messages": [{"role": "user", "content": "..."}, ..., {"role": "assistant", "content": "..."}]}
+    {"prompt": "...", "completion": "..."}
+    {"prompt_ids": [2, 17, ...], "completion_ids": [40, 41, ...]}     (already tokenised)
+
+Chat records are rendered with the checkpoint's chat template: the prompt is every message but the last,
+with the generation prompt (`<|turn>model\\n`); the response is what the template adds for the final
+assistant message, i.e. its content and the closing end-of-turn token (the separator after it is not part
+of the response). prompt/completion records go through the template as one user and one assistant turn
+when the tokenizer has a template (unless `chat_template: false`), otherwise the prompt is plain text with
+BOS and the completion follows it. Only the response is supervised by the diffusion loss; the response is
+split into canvases and the last is filled with end-of-text tokens by the objective.
+
+Truncation (as the references do): a response cut by `max_length` is marked, and the objective then does
+not supervise the end-of-text fill after it (the text did not really end there). A prompt that alone
+reaches `max_length` leaves nothing to train on: the record is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: list[int]
+    response: list[int]
+    truncated: bool = False
+    line: int = 0  # 1-based line in the source file (0: built in code)
+
+
+class DataError(ValueError):
+    """A malformed record; the message names the file and line."""
+
+
+def _fail(path: Path, line: int, message: str) -> DataError:
+    return DataError(f"{path}:{line}: {message}")
+
+
+def _render_chat(tokenizer, messages: list[dict], path: Path, line: int) -> tuple[list[int], list[int]]:
+    if not messages or messages[-1].get("role") != "assistant":
+        raise _fail(path, line, "the last message must be the assistant's reply (role 'assistant')")
+    if not isinstance(messages[-1].get("content"), str) or not messages[-1]["content"].strip():
+        raise _fail(path, line, "the assistant's reply must be a non-empty string")
+    try:
+        prompt_text = tokenizer.render_chat(messages[:-1], add_generation_prompt=True)
+        full_text = tokenizer.render_chat(messages, add_generation_prompt=False)
+    except ValueError as e:
+        raise _fail(path, line, str(e)) from e
+    if not full_text.startswith(prompt_text):
+        raise _fail(
+            path,
+            line,
+            "the chat template does not render the conversation as the prompt followed by "
+            "the reply, so the reply cannot be told apart; use prompt/completion records instead",
+        )
+    response_text = full_text[len(prompt_text) :].rstrip("\n")
+    return (
+        tokenizer.encode(prompt_text, add_special_tokens=False),
+        tokenizer.encode(response_text, add_special_tokens=False),
+    )
+
+
+def _check_ids(ids, vocab_size: int, path: Path, line: int, name: str) -> list[int]:
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _fail(path, line, f"'{name}' must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _fail(path, line, f"'{name}' has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def tokenize_record(record, tokenizer, vocab_size: int, path: Path, line: int, use_chat_template: bool):
+    """(prompt ids, response ids) of one parsed record."""
+    if not isinstance(record, dict):
+        raise _fail(path, line, f"each line must be a JSON object (got {type(record).__name__})")
+    if "prompt_ids" in record or "completion_ids" in record:
+        return (
+            _check_ids(record.get("prompt_ids"), vocab_size, path, line, "prompt_ids"),
+            _check_ids(record.get("completion_ids"), vocab_size, path, line, "completion_ids"),
+        )
+    if tokenizer is None:
+        raise _fail(
+            path, line, "text records need a tokenizer (set data.tokenizer, or give prompt_ids and completion_ids)"
+        )
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise _fail(path, line, "'messages' must be a list of {'role': ..., 'content': ...} objects")
+        if not tokenizer.chat_template:
+            raise _fail(path, line, "chat records need a tokenizer with a chat template")
+        return _render_chat(tokenizer, messages, path, line)
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+            raise _fail(path, line, "'prompt' and 'completion' must be strings (the completion non-empty)")
+        if use_chat_template and tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return _render_chat(tokenizer, messages, path, line)
+        return tokenizer.encode(prompt), tokenizer.encode(completion, add_special_tokens=False)
+    raise _fail(
+        path, line, "a record needs 'messages', or 'prompt' and 'completion', or 'prompt_ids' and 'completion_ids'"
+    )
+
+
+def load_jsonl(
+    path: str | Path,
+    tokenizer=None,
+    *,
+    vocab_size: int,
+    max_length: int,
+    use_chat_template: bool = True,
+) -> tuple[list[Example], dict[str, int]]:
+    """Tokenised examples of a JSONL file and counts of what was kept, truncated and skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training data {path} not found")
+    examples: list[Example] = []
+    counts = {"records": 0, "truncated": 0, "skipped_long_prompt": 0}
+    with path.open(encoding="utf-8") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise _fail(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from e
+            prompt, response = tokenize_record(record, tokenizer, vocab_size, path, line_no, use_chat_template)
+            counts["records"] += 1
+            if not prompt:
+                raise _fail(path, line_no, "the prompt is empty (the encoder needs at least one token)")
+            if len(prompt) >= max_length:
+                counts["skipped_long_prompt"] += 1
+                continue
+            truncated = len(prompt) + len(response) > max_length
+            if truncated:
+                response = response[: max_length - len(prompt)]
+                counts["truncated"] += 1
+            examples.append(Example(prompt, response, truncated, line_no))
+    if not examples:
+        raise DataError(f"{path}: no usable examples ({counts})")
+    return examples, counts
+
+
+def epoch_order(num_examples: int, epoch: int, seed: int) -> list[int]:
+    """The shuffled order of one epoch: a function of (seed, epoch) alone, so a resumed run sees the same."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=g).tolist()
+
+
+def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[tuple[int, int]]:
+    """(draw index, example index) of each sample of optimizer step `step` (0-based).
+
+    Draws are consecutive slices of the epochs' shuffled orders. The draw index (step * batch_size + j)
+    names the sample for its noise, so noise does not depend on how a batch is split across processes or
+    micro-batches; and the data position is a function of the step, so a resumed run continues exactly.
+    """
+    draws = range(step * batch_size, (step + 1) * batch_size)
+    orders: dict[int, list[int]] = {}
+    out = []
+    for i in draws:
+        epoch, offset = divmod(i, num_examples)
+        if epoch not in orders:
+            orders[epoch] = epoch_order(num_examples, epoch, seed)
+        out.append((i, orders[epoch][offset]))
+    return out

@@ -1,0 +1,235 @@
+"""The block-diffusion training objective (stage 1: supervised denoising), one step's loss.
+
+Per example (shared/reference/training-objective.md, sections 1 and 12; where the references differ the
+choice is named in a comment with the reference it follows):
+
+1. Split the response into canvases of C tokens, filling the last with end-of-text tokens
+   (response-relative fill, Google/NeMo/TRL). Pick one canvas s uniformly (all references).
+2. Draw a noise level t ~ U(eps, 1 - eps), eps = 1e-4 (Google, TRL; NeMo uses U(1e-3, 1)). Each canvas
+   position is replaced by a uniformly random token id from the whole vocabulary with probability t (the
+   end-of-text fill included; there is no mask token).
+3. Encoder pass, with gradients, over the clean sequence [prompt ; every canvas]: causal, writing the
+   KV cache. Its hidden states give the next-token co-loss.
+4. Decoder pass 1, without gradients and with an exactly-zero self-conditioning signal, on the noisy
+   canvas, seeing the clean prefix (prompt and earlier canvases) through the cache and nothing after it;
+   sliding layers see the window ending at the canvas start, as at inference.
+5. Decoder pass 2, with gradients: self-conditioned on pass 1's logits with probability 0.5, otherwise an
+   exactly-zero signal (an all-zero embedding, not zero logits).
+6. Loss = cross-entropy of pass 2 against the clean canvas at every position (corrupted or not, the fill
+   included; no 1/t weight, no shift) + 1.0 x next-token cross-entropy of the encoder over every valid
+   (i, i+1) pair. Both are averaged per example, then over the batch (Google; NeMo/TRL use a token mean:
+   `normalization: token`). No MoE auxiliary loss; the trainer freezes the router.
+
+Implementation: the rows of a batch are aligned so that every selected canvas starts at the same index L
+(rows are left-padded by L - their prefix length; attention depends only on position differences, so
+the shift changes nothing). One encoder pass fills a cache that keeps every position, and both decoder
+passes read `cache.prefix(L)`: exactly the keys each canvas is allowed to see.
+
+Randomness is drawn per sample from a generator seeded by (seed, draw index): the same sample gets the
+same noise whatever the batch split across processes or micro-batches, and a resumed run draws the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..model import DiffusionGemma
+from .data import Example
+
+LOSSES = ("flat", "reweighted", "mean_loo")
+NORMALIZATIONS = ("example", "token")
+
+
+@dataclass
+class ObjectiveConfig:
+    eps: float = 1e-4  # t ~ U(eps, 1 - eps)
+    self_conditioning_prob: float = 0.5  # share of examples whose pass 2 is self-conditioned
+    diffusion_loss_weight: float = 1.0
+    encoder_loss_weight: float = 1.0  # the next-token co-loss
+    loss: str = "flat"  # flat (the released recipes) | reweighted (1/(1-t), clipped) | mean_loo
+    reweight_clip: float = 100.0
+    normalization: str = "example"  # per-example mean then batch mean | token mean over the batch
+    ar_chunk: int = 1024  # positions per chunk of the encoder's cross-entropy (never all logits at once)
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not 0 < self.eps < 0.5:
+            errors.append(f"eps must be in (0, 0.5) (got {self.eps})")
+        if not 0 <= self.self_conditioning_prob <= 1:
+            errors.append(f"self_conditioning_prob must be in [0, 1] (got {self.self_conditioning_prob})")
+        if self.loss not in LOSSES:
+            errors.append(f"loss must be one of {LOSSES} (got {self.loss!r})")
+        if self.normalization not in NORMALIZATIONS:
+            errors.append(f"normalization must be one of {NORMALIZATIONS} (got {self.normalization!r})")
+        if self.diffusion_loss_weight < 0 or self.encoder_loss_weight < 0:
+            errors.append("loss weights must be >= 0")
+        if self.reweight_clip <= 0 or self.ar_chunk <= 0:
+            errors.append("reweight_clip and ar_chunk must be > 0")
+        if errors:
+            raise ValueError("invalid objective: " + "; ".join(errors))
+
+
+@dataclass
+class Sample:
+    """One training draw: an example with its canvas, noise level, corruption and self-conditioning coin."""
+
+    example: Example
+    canvas: int
+    t: float
+    flip: torch.Tensor  # [C] bool: positions replaced by noise
+    noise: torch.Tensor  # [C] the random replacement tokens
+    self_condition: bool
+
+
+def draw_sample(
+    example: Example, draw: int, seed: int, canvas_length: int, vocab_size: int, cfg: ObjectiveConfig
+) -> Sample:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + draw) % (2**63))
+    num_canvases = max(1, math.ceil(len(example.response) / canvas_length))
+    canvas = int(torch.randint(0, num_canvases, (1,), generator=g))
+    t = cfg.eps + (1 - 2 * cfg.eps) * float(torch.rand((), generator=g))
+    flip = torch.rand(canvas_length, generator=g) < t
+    noise = torch.randint(0, vocab_size, (canvas_length,), generator=g)
+    coin = float(torch.rand((), generator=g)) < cfg.self_conditioning_prob
+    return Sample(example, canvas, t, flip, noise, coin)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, T] clean sequences, aligned so every selected canvas starts at `canvas_start`
+    valid: torch.Tensor  # [B, T] real tokens
+    ar_targets: torch.Tensor  # [B, T] bool: position i+1 is a next-token target of position i
+    canvas_start: int  # L
+    clean: torch.Tensor  # [B, C] the selected canvases
+    noisy: torch.Tensor  # [B, C]
+    supervised: torch.Tensor  # [B, C] bool: canvas positions in the diffusion loss
+    t: torch.Tensor  # [B]
+    self_condition: torch.Tensor  # [B] bool
+
+    @property
+    def tokens(self) -> int:
+        """Tokens processed (encoder sequence plus the canvas), for throughput."""
+        return int(self.valid.sum()) + self.clean.numel()
+
+
+def assemble(samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int) -> Batch:
+    c = canvas_length
+    rows = []
+    for s in samples:
+        ex = s.example
+        n = max(1, math.ceil(len(ex.response) / c))
+        filled = ex.response + [eos_id] * (n * c - len(ex.response))  # response-relative end-of-text fill
+        prefix = ex.prompt + filled[: s.canvas * c]
+        rest = filled[s.canvas * c :]
+        # Positions that may be supervised: everything, except the fill after a truncated response.
+        real_end = len(ex.prompt) + len(ex.response)
+        target_ok = [True] * (len(prefix) + len(rest))
+        if ex.truncated:
+            target_ok = [i < real_end for i in range(len(target_ok))]
+        rows.append((prefix, rest, target_ok))
+    start = max(len(p) for p, _, _ in rows)
+    width = start + max(len(r) for _, r, _ in rows)
+    b = len(samples)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    target = torch.zeros(b, width, dtype=torch.bool)
+    for i, (prefix, rest, ok) in enumerate(rows):
+        a = start - len(prefix)
+        seq = prefix + rest
+        ids[i, a : a + len(seq)] = torch.tensor(seq)
+        valid[i, a : a + len(seq)] = True
+        target[i, a : a + len(seq)] = torch.tensor(ok)
+    # a next-token pair (i, i+1) counts when both are real tokens and i+1 is a supervisable position
+    ar_targets = torch.zeros_like(valid)
+    ar_targets[:, 1:] = valid[:, :-1] & valid[:, 1:] & target[:, 1:]
+    clean = ids[:, start : start + c].clone()
+    flips = torch.stack([s.flip for s in samples])
+    noisy = torch.where(flips, torch.stack([s.noise for s in samples]), clean)
+    supervised = target[:, start : start + c].clone()
+    return Batch(
+        ids,
+        valid,
+        ar_targets,
+        start,
+        clean,
+        noisy,
+        supervised,
+        torch.tensor([s.t for s in samples]),
+        torch.tensor([s.self_condition for s in samples]),
+    )
+
+
+def _mean(per_token: torch.Tensor, weight: torch.Tensor, normalization: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, per-example means) of per-token losses [B, N] over the positions where weight is 1."""
+    counts = weight.sum(-1)
+    per_example = (per_token * weight).sum(-1) / counts.clamp(min=1)  # no tokens: zero loss, not NaN
+    if normalization == "token":
+        return (per_token * weight).sum() / counts.sum().clamp(min=1), per_example
+    return per_example.mean(), per_example
+
+
+def _ar_chunk_loss(model: DiffusionGemma, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model.lm_head(hidden)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
+        targets.shape
+    )
+
+
+def encoder_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg: ObjectiveConfig):
+    """Next-token cross-entropy of the encoder over the valid pairs, in chunks of positions; each chunk's
+    logits are recomputed in the backward pass rather than kept (they are [B, chunk, V] in fp32)."""
+    h, targets, weight = hidden[:, :-1], batch.ids[:, 1:], batch.ar_targets[:, 1:].float()
+    parts = []
+    for a in range(0, h.shape[1], cfg.ar_chunk):
+        chunk = (h[:, a : a + cfg.ar_chunk], targets[:, a : a + cfg.ar_chunk])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_ar_chunk_loss, model, *chunk, use_reentrant=False))
+        else:
+            parts.append(_ar_chunk_loss(model, *chunk))
+    return _mean(torch.cat(parts, dim=1), weight, cfg.normalization)
+
+
+def diffusion_loss(logits: torch.Tensor, batch: Batch, cfg: ObjectiveConfig, vocab_size: int):
+    if cfg.loss == "mean_loo":
+        # Leave-one-out parameterisation: add log(1 + K a / (1 - a)), a = 1 - t, to the logit of the token
+        # observed at each position (arXiv 2605.22765; TRL/Unsloth `mean_loo`). The sampler would have to
+        # apply the same shift; dgemma's does not, so use this only for experiments.
+        alpha = 1 - batch.t
+        shift = torch.log1p(vocab_size * alpha / (1 - alpha)).to(logits.dtype)
+        logits = logits.scatter_add(-1, batch.noisy[..., None], shift[:, None, None].expand(-1, logits.shape[1], 1))
+    per_token = F.cross_entropy(logits.reshape(-1, vocab_size), batch.clean.reshape(-1), reduction="none")
+    per_token = per_token.view(batch.clean.shape)
+    mean, per_example = _mean(per_token, batch.supervised.float(), cfg.normalization)
+    if cfg.loss == "reweighted":  # w(t) = -a'/a = 1/(1 - t), clipped (Megatron-Bridge)
+        w = (1.0 / (1.0 - batch.t)).clamp(max=cfg.reweight_clip).to(per_example.dtype)
+        mean = (per_example * w).mean()
+    return mean, per_example
+
+
+def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict]:
+    """The loss of one batch and its parts (floats, for logging)."""
+    device = model.device
+    batch = Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in vars(batch).values()))
+    b, width = batch.ids.shape
+    cache = model.new_cache(b, width, keep_all=True)
+    hidden = model.encode(batch.ids, cache, attention_mask=batch.valid).hidden_states
+    ar, _ = encoder_loss(model, hidden, batch, cfg)
+    view = cache.prefix(batch.canvas_start)  # the clean prefix only: no canvas sees itself or later ones
+    with torch.no_grad():
+        first = model.denoise(batch.noisy, view)
+        soft = model.soft_embedding(first)
+    logits = model.denoise(
+        batch.noisy, view, self_conditioning_embeds=soft, self_conditioning_mask=batch.self_condition
+    )
+    diff, _ = diffusion_loss(logits, batch, cfg, model.text_config.vocab_size)
+    loss = cfg.diffusion_loss_weight * diff + cfg.encoder_loss_weight * ar
+    return loss, {
+        "loss": float(loss.detach()),
+        "diffusion_loss": float(diff.detach()),
+        "encoder_loss": float(ar.detach()),
+    }
