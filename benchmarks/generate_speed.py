@@ -18,12 +18,10 @@ import statistics
 import tempfile
 import time
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from _measure import matmul_gflops, peak_tensor_mb
 
 import dgemma
 from dgemma.ar import generate_ar
@@ -38,42 +36,6 @@ SIZES = {
 }
 
 
-class TensorMemory(TorchDispatchMode):
-    """Peak bytes of tensor storage allocated while active and alive at the same time (views and outputs
-    that reuse an input's storage add nothing). Independent of the allocator's caching and of the OS."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.refs: dict[int, list[int]] = {}  # storage address -> [tensors alive, bytes]
-
-    def _release(self, key: int) -> None:
-        entry = self.refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        inputs = {t.untyped_storage().data_ptr() for t in tensors_in}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0 or (key in inputs and key not in self.refs):
-                continue  # a view of (or an in-place result on) memory allocated before we started
-            if key in self.refs:
-                self.refs[key][0] += 1
-            else:
-                self.refs[key] = [1, t.untyped_storage().nbytes()]
-                self.live += self.refs[key][1]
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, key)
-        return out
-
-
 def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> float:
     """Multiply-adds x 2 of one denoising step of one canvas: matmuls, LM head, soft embedding, attention."""
     t = config.text_config
@@ -85,16 +47,6 @@ def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> flo
         keys = (min(prefix, t.sliding_window - 1) if spec.is_sliding else prefix) + canvas
         flops += 2 * 2 * canvas * keys * t.num_attention_heads * spec.head_dim
     return float(flops)
-
-
-def matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
-    """This machine's fp32 matmul rate on a large square product: the ceiling for matmul-bound steps."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9
 
 
 def build_pair(size: dict, directory: Path):
@@ -119,12 +71,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def peak_tensor_mb(fn) -> float:
-    with TensorMemory() as mem:
-        fn()
-    return mem.peak / 2**20
 
 
 def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:

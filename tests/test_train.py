@@ -143,7 +143,7 @@ def test_encoder_loss_matches_full_computation():
     batch = _batch(model, EXAMPLES)
     cache = model.new_cache(3, batch.ids.shape[1], keep_all=True)
     hidden = model.encode(batch.ids, cache, attention_mask=batch.valid).hidden_states
-    chunked, per_example = encoder_loss(model, hidden, batch, ObjectiveConfig(ar_chunk=5))
+    chunked, per_example = encoder_loss(model, hidden, batch, ObjectiveConfig(ar_chunk_tokens=15))
     logits = model.lm_head(hidden)[:, :-1]
     ce = F.cross_entropy(logits.reshape(-1, 512), batch.ids[:, 1:].reshape(-1), reduction="none").view(3, -1)
     w = batch.ar_targets[:, 1:].float()
@@ -429,3 +429,29 @@ def test_two_processes_match_one(tmp_path):
     log = [json.loads(line)["loss"] for line in (tmp_path / "double" / "log.jsonl").read_text().splitlines()]
     assert len(log) == 3
     torch.testing.assert_close(torch.tensor(log), torch.tensor(single.losses), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_lora_on_transformers_checkpoint_then_generate_with_adapter(moe_ckpt, tmp_path, capsys):
+    import shutil
+
+    from dgemma.cli import main
+
+    base = tmp_path / "base"
+    shutil.copytree(moe_ckpt[0], base)
+    make_tokenizer(512).save(base)
+    _toy_jsonl(tmp_path / "toy.jsonl")
+    (tmp_path / "lora.yaml").write_text(
+        "model: {path: base}\n"
+        "data: {train: toy.jsonl, max_length: 64}\n"
+        "lora: {r: 4, alpha: 8}\n"
+        "train: {steps: 2, batch_size: 2, out_dir: run, save_every: 1, keep_checkpoints: 1}\n"
+    )
+    assert main(["train", str(tmp_path / "lora.yaml")]) == 0
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]
+    assert main(["train", str(tmp_path / "lora.yaml"), "--steps", "3"]) == 0  # resumes at step 2
+    assert "resumed from" in capsys.readouterr().err
+    args = ["-p", "hi", "--max-new-tokens", "4", "--max-denoising-steps", "2", "--json"]
+    assert main(["generate", "-m", str(base), "--adapter", str(tmp_path / "run" / "final"), *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] <= 4
+    assert main(["merge", str(base), str(tmp_path / "run" / "final"), str(tmp_path / "merged")]) == 0
+    assert main(["generate", "-m", str(tmp_path / "merged"), *args]) == 0

@@ -54,7 +54,7 @@ class ObjectiveConfig:
     loss: str = "flat"  # flat (the released recipes) | reweighted (1/(1-t), clipped) | mean_loo
     reweight_clip: float = 100.0
     normalization: str = "example"  # per-example mean then batch mean | token mean over the batch
-    ar_chunk: int = 1024  # positions per chunk of the encoder's cross-entropy (never all logits at once)
+    ar_chunk_tokens: int = 512  # tokens per chunk of the encoder's cross-entropy (never all logits at once)
 
     def __post_init__(self) -> None:
         errors = []
@@ -68,8 +68,8 @@ class ObjectiveConfig:
             errors.append(f"normalization must be one of {NORMALIZATIONS} (got {self.normalization!r})")
         if self.diffusion_loss_weight < 0 or self.encoder_loss_weight < 0:
             errors.append("loss weights must be >= 0")
-        if self.reweight_clip <= 0 or self.ar_chunk <= 0:
-            errors.append("reweight_clip and ar_chunk must be > 0")
+        if self.reweight_clip <= 0 or self.ar_chunk_tokens <= 0:
+            errors.append("reweight_clip and ar_chunk_tokens must be > 0")
         if errors:
             raise ValueError("invalid objective: " + "; ".join(errors))
 
@@ -184,9 +184,10 @@ def encoder_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg:
     """Next-token cross-entropy of the encoder over the valid pairs, in chunks of positions; each chunk's
     logits are recomputed in the backward pass rather than kept (they are [B, chunk, V] in fp32)."""
     h, targets, weight = hidden[:, :-1], batch.ids[:, 1:], batch.ar_targets[:, 1:].float()
+    step = max(1, cfg.ar_chunk_tokens // h.shape[0])  # positions per chunk
     parts = []
-    for a in range(0, h.shape[1], cfg.ar_chunk):
-        chunk = (h[:, a : a + cfg.ar_chunk], targets[:, a : a + cfg.ar_chunk])
+    for a in range(0, h.shape[1], step):
+        chunk = (h[:, a : a + step], targets[:, a : a + step])
         if torch.is_grad_enabled():
             parts.append(checkpoint(_ar_chunk_loss, model, *chunk, use_reentrant=False))
         else:
