@@ -413,6 +413,7 @@ class _ProgressBar:
     """step / total, loss, tokens/s and ETA on one terminal line (rich)."""
 
     def __init__(self, total: int, start: int):
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(
@@ -421,6 +422,7 @@ class _ProgressBar:
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
             transient=False,
+            console=Console(stderr=True),
         )
         self.progress.start()
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
