@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import cli_generate, cli_train
+    from . import cli_generate, cli_tasks, cli_train
 
     cli_generate.register(sub)
     cli_train.register(sub)
+    cli_tasks.register(sub)
     return parser
 
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

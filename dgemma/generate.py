@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -165,6 +165,17 @@ class GenerationResult:
 @dataclass
 class DoneEvent:
     result: GenerationResult
+
+
+@dataclass
+class DenoiseCall:
+    """The canvas loop asks its driver to run the model: `logits = yield DenoiseCall(...)`. Keeping the call
+    outside the loop lets a server batch the canvases of many requests into one forward pass."""
+
+    tokens: torch.Tensor  # [b, C]
+    cache: KVCache
+    self_conditioning_embeds: torch.Tensor | None = None  # fast mode
+    self_conditioning_logits: torch.Tensor | None = None  # exact mode
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
@@ -342,7 +353,7 @@ class _Loop:
         counted = (~(st.done | finished_rows)).long()
         self.passes += counted
         st.steps += counted
-        logits = self.model.denoise(st.tokens, self.cache, self_conditioning_logits=st.sc)
+        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning_logits=st.sc)
         processed = logits / self.temperatures[step]
         t = reference_transition(processed, st.tokens, self.p.entropy_bound)
         tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
@@ -370,7 +381,7 @@ class _Loop:
             sc = None if st.sc is None else st.sc[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
-        logits = self.model.denoise(tokens, cache, self_conditioning_embeds=sc)
+        logits = yield DenoiseCall(tokens, cache, self_conditioning_embeds=sc)
         logits.div_(self.temperatures[step])
         t = fast_transition(
             logits,
@@ -419,7 +430,8 @@ class _Loop:
             if self.out.finished(r) or z >= needed[r]:  # nothing left to denoise in this canvas
                 st.done[r] = True
 
-    def run(self) -> Iterator[Event]:
+    def run(self) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
+        """The canvases, as a generator of events and DenoiseCalls (send the logits back for the latter)."""
         p, c = self.p, self.c
         sequences = []
         finished_rows = torch.zeros(self.b, dtype=torch.bool, device=self.device)
@@ -429,9 +441,9 @@ class _Loop:
             stopper = StableAndConfident(p.stability_threshold, p.confidence_threshold, shape, self.device)
             for n, step in enumerate(range(p.max_denoising_steps, 0, -1), 1):
                 if self.exact:
-                    accepted = self._exact_step(st, step, stopper, finished_rows)
+                    accepted = yield from self._exact_step(st, step, stopper, finished_rows)
                 else:
-                    accepted = self._fast_step(st, step, stopper)
+                    accepted = yield from self._fast_step(st, step, stopper)
                 yield DraftEvent(k, n, st.argmax, accepted)
                 if p.early_commit:
                     yield from self._early_commit(st, k)
@@ -522,10 +534,30 @@ def stream(
         )
     model.encode(ids, cache, attention_mask=mask)
     loop = _Loop(model, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
-    for event in loop.run():
+    for event in drive(model, loop.run()):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event
+
+
+def drive(model: DiffusionGemma, loop: Generator) -> Iterator[Event]:
+    """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through."""
+    reply = None
+    while True:
+        try:
+            item = loop.send(reply)
+        except StopIteration:
+            return
+        if isinstance(item, DenoiseCall):
+            reply = model.denoise(
+                item.tokens,
+                item.cache,
+                self_conditioning_logits=item.self_conditioning_logits,
+                self_conditioning_embeds=item.self_conditioning_embeds,
+            )
+        else:
+            reply = None
+            yield item
 
 
 def generate(model: DiffusionGemma, prompt, params: SamplingParams | None = None, **kwargs) -> GenerationResult:

@@ -190,14 +190,19 @@ class KVCache:
         self.values[i][:, :, slots - m :] = values[:, :, -m:]
         return keys, values
 
-    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Denoise: [cached prefix ; k/v] without writing anything."""
+    def prefix_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys/values layer i's canvas queries see, [B, Hkv, n, D] (oldest first)."""
         n = self._num_cached(self.is_sliding[i])
         ring = self.is_sliding[i] and not self.keep_all
         start = self.keys[i].shape[2] - n if ring else self.length - n
         past_k, past_v = self.keys[i][:, :, start : start + n], self.values[i][:, :, start : start + n]
         if self._rows is not None:
             past_k, past_v = past_k.index_select(0, self._rows), past_v.index_select(0, self._rows)
+        return past_k, past_v
+
+    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Denoise: [cached prefix ; k/v] without writing anything."""
+        past_k, past_v = self.prefix_kv(i)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     def commit(self, num_tokens: int) -> None:
@@ -205,3 +210,57 @@ class KVCache:
         assert num_tokens == self._pending, "commit must follow prepare_encode of the same length"
         self.length += num_tokens
         self._pending = 0
+
+
+class StackedCache:
+    """Several caches (say, one per server request, each at its own length) read as one batch by `denoise`.
+
+    Each row's canvas sits at its own positions (its cache's length onward); prefixes of different lengths
+    are left-padded to the longest with masked zeros. Read-only, like every view used for denoising.
+    """
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches:
+            raise ValueError("StackedCache needs at least one cache")
+        self.caches = caches
+        self.batch_size = sum(c.batch_size for c in caches)
+        self.is_sliding = caches[0].is_sliding
+        self.device = caches[0].device
+        self._longest: dict[bool, int] = {}
+
+    def prepare_denoise(self, batch_size: int, canvas_length: int):
+        if batch_size != self.batch_size:
+            raise ValueError(f"batch of {batch_size} rows, but the stacked caches hold {self.batch_size}")
+        offsets = torch.arange(canvas_length, device=self.device)
+        positions = torch.cat([(c.length + offsets).expand(c.batch_size, -1) for c in self.caches])  # [B, C]
+        masks = {}
+        for layer_type, sliding in ((SLIDING, True), (FULL, False)):
+            longest = max(c._num_cached(sliding) for c in self.caches)
+            self._longest[sliding] = longest
+            rows = []
+            for c in self.caches:
+                n = c._num_cached(sliding)
+                prefix_valid = c.valid[:, c._prefix_positions(sliding)]
+                pad = prefix_valid.new_zeros(c.batch_size, longest - n)
+                rows.append(torch.cat([pad, prefix_valid, prefix_valid.new_ones(c.batch_size, canvas_length)], 1))
+            allowed = torch.cat(rows)  # [B, longest + C]
+            masks[layer_type] = (
+                None if bool(allowed.all()) else allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+            )
+        return positions, masks
+
+    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = self._longest[self.is_sliding[i]]
+        b, h, t, d = k.shape
+        keys = k.new_zeros(b, h, longest + t, d)
+        values = v.new_zeros(b, h, longest + t, d)
+        row = 0
+        for c in self.caches:
+            past_k, past_v = c.prefix_kv(i)
+            n = past_k.shape[2]
+            keys[row : row + c.batch_size, :, longest - n : longest] = past_k
+            values[row : row + c.batch_size, :, longest - n : longest] = past_v
+            row += c.batch_size
+        keys[:, :, longest:] = k
+        values[:, :, longest:] = v
+        return keys, values

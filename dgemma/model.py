@@ -78,8 +78,9 @@ def rope_inv_freq(spec: LayerSpec, device: torch.device | None = None) -> torch.
 
 
 def rope_cos_sin(spec: LayerSpec, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, D] for absolute `positions` [T], computed in fp32 and cast to the activation dtype."""
-    freqs = positions.float()[:, None] * rope_inv_freq(spec, positions.device)[None, :]
+    """cos and sin [T, D] (or [B, T, D]) for absolute `positions` [T] (or per row, [B, T]), computed in fp32
+    and cast to the activation dtype."""
+    freqs = positions.float()[..., None] * rope_inv_freq(spec, positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -88,7 +89,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [B, T, H, D] by the half-split convention: pairs are (i, i + D/2)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 # ------------------------------------------------------------------------------------------------

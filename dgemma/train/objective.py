@@ -220,6 +220,9 @@ def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConf
     cache = model.new_cache(b, width, keep_all=True)
     hidden = model.encode(batch.ids, cache, attention_mask=batch.valid).hidden_states
     ar, _ = encoder_loss(model, hidden, batch, cfg)
+    if cfg.diffusion_loss_weight == 0:  # a plain autoregressive model (e.g. an AR twin): no decoder passes
+        loss = cfg.encoder_loss_weight * ar
+        return loss, {"loss": float(loss.detach()), "diffusion_loss": 0.0, "encoder_loss": float(ar.detach())}
     view = cache.prefix(batch.canvas_start)  # the clean prefix only: no canvas sees itself or later ones
     with torch.no_grad():
         first = model.denoise(batch.noisy, view)

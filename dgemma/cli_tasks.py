@@ -1,0 +1,136 @@
+"""`dgemma sudoku`: solve a puzzle with the Sudoku model shipped inside dgemma (or another)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _read_puzzle(args: argparse.Namespace) -> str:
+    from .tasks import sudoku
+
+    if args.file is not None:
+        if not args.file.is_file():
+            raise FileNotFoundError(f"puzzle file {args.file} not found")
+        return sudoku.parse(args.file.read_text())
+    if args.puzzle:
+        return sudoku.parse(" ".join(args.puzzle))
+    return sudoku.generate_level(args.level, args.seed if args.seed is not None else int(time.time())).puzzle
+
+
+def _live_grid(tokenizer, puzzle: str):
+    """Shows the grid as the canvas denoises (rich): clues bold, cells accepted this step green."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    from .tasks import sudoku
+
+    console = Console(stderr=True)
+    live = Live(console=console, refresh_per_second=20)
+
+    def show(event) -> None:
+        ids, accepted = event.drafts[0].tolist(), event.accepted[0].tolist()
+        grid = sudoku.decode_grid(tokenizer, ids)
+        text = Text()
+        for r in range(9):
+            for c in range(9):
+                i = r * 9 + c
+                style = "bold" if puzzle[i] != sudoku.BLANK else ("green" if accepted[i] else "dim")
+                text.append(("." if grid[i] == sudoku.BLANK else grid[i]) + " ", style=style)
+                if c in (2, 5):
+                    text.append("| ")
+            text.append("\n")
+            if r in (2, 5):
+                text.append("------+-------+------\n")
+        text.append(f"step {event.step}", style="cyan")
+        live.update(text)
+
+    return live, show
+
+
+def cmd_sudoku(args: argparse.Namespace) -> int:
+    """Solve one Sudoku puzzle with the model and print the grid (or JSON)."""
+    from .generate import DoneEvent, DraftEvent, stream
+    from .tasks import sudoku
+
+    puzzle = _read_puzzle(args)
+    sudoku.solve(puzzle)  # refuses contradictory, unsolvable and ambiguous puzzles with a clear message
+    model, tokenizer = sudoku.load_model(args.model)
+    sampling = {"seed": args.seed if args.seed is not None else 0}
+    if args.steps is not None:
+        sampling["max_denoising_steps"] = args.steps
+    start = time.perf_counter()
+    if args.show_canvas:
+        import torch
+
+        live, show = _live_grid(tokenizer, puzzle)
+        pins = torch.tensor([[-1 if t is None else t for t in sudoku.template(tokenizer, puzzle)]])
+        result = None
+        with live:
+            for event in stream(
+                model, sudoku.prompt_ids(tokenizer, puzzle), pins=pins, max_new_tokens=81, stop_token_ids=[], **sampling
+            ):
+                if isinstance(event, DraftEvent):
+                    show(event)
+                elif isinstance(event, DoneEvent):
+                    result = event.result
+        grid = sudoku.decode_grid(tokenizer, result.tokens[0])
+        solved = sudoku.ModelSolve(
+            puzzle, grid, sudoku.is_solution(grid, puzzle), True, result.stats.steps_per_canvas[0][0], result
+        )
+    else:
+        solved = sudoku.solve_batch(model, tokenizer, [puzzle], **sampling)[0]
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "puzzle": puzzle,
+                    "solution": solved.solution,
+                    "solved": solved.solved,
+                    "clues_kept": solved.clues_kept,
+                    "steps": solved.steps,
+                    "seconds": round(seconds, 4),
+                }
+            )
+        )
+    else:
+        left, right = sudoku.pretty(puzzle).splitlines(), sudoku.pretty(solved.solution).splitlines()
+        print("puzzle                     solution")
+        for a, b in zip(left, right, strict=True):
+            print(f"{a:26s} {b}")
+        verdict = "solved" if solved.solved else "NOT solved (the model's grid breaks a rule)"
+        print(f"{verdict} in {solved.steps} denoising steps, {seconds:.2f} s")
+    return 0 if solved.solved else 1
+
+
+def register(sub) -> None:
+    s = sub.add_parser(
+        "sudoku",
+        help="solve a Sudoku with the shipped diffusion model",
+        description="Solve a Sudoku puzzle with the small DiffusionGemma trained by dgemma (shipped "
+        "inside the package). The puzzle is 81 cells, digits with 0 or . for blanks; spaces and "
+        "| - + separators are ignored. With no puzzle, a random one of --level is made. Exit "
+        "status 1 if the model's grid is not a valid solution.",
+    )
+    s.add_argument("puzzle", nargs="*", help="the puzzle (81 cells; may be split over several arguments)")
+    s.add_argument("--file", type=Path, help="read the puzzle from a file")
+    s.add_argument(
+        "--level",
+        default="medium",
+        choices=["easy", "medium", "hard"],
+        help="difficulty of the random puzzle made when none is given (default medium)",
+    )
+    s.add_argument("--model", type=Path, default=None, help="another Sudoku model directory")
+    s.add_argument("--steps", type=int, default=None, help="maximum denoising steps (default: the model's 48)")
+    s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
+    s.add_argument("--show-canvas", action="store_true", help="watch the grid fill in, step by step")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: puzzle, solution, solved, clues_kept, steps, seconds",
+    )
+    s.set_defaults(func=cmd_sudoku)

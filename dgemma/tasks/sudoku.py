@@ -1,0 +1,424 @@
+"""Sudoku: puzzles with a unique solution, graded difficulty, a solver/validator, datasets, and the model
+format (tokens, prompt, canvas).
+
+Grids are strings of 81 characters, row by row, `1`-`9` for digits and `0` for a blank. Parsing also
+accepts `.` for blanks and ignores whitespace and the usual separators (`|`, `-`, `+`).
+
+Difficulty is graded by the techniques a logical solver needs:
+
+- `easy`:   naked singles only (a cell with one candidate left);
+- `medium`: hidden singles as well (a digit with one place left in a row, column or box);
+- `hard`:   neither suffices at some point: search is needed.
+
+Model format (a DiffusionGemma with a 15-token vocabulary, canvas 81):
+
+    prompt:  <bos> c1 c2 ... c81 <sep>     (clues as digit tokens, blanks as `.`)
+    canvas:  s1 s2 ... s81                  (the solution; at inference the clue cells are pinned)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+DIGITS = "123456789"
+BLANK = "0"
+LEVELS = ("easy", "medium", "hard")
+
+# Peers of each cell: same row, column or box.
+ROWS = [[r * 9 + c for c in range(9)] for r in range(9)]
+COLS = [[r * 9 + c for r in range(9)] for c in range(9)]
+BOXES = [[(br * 3 + r) * 9 + bc * 3 + c for r in range(3) for c in range(3)] for br in range(3) for bc in range(3)]
+UNITS = ROWS + COLS + BOXES
+PEERS = [sorted({p for u in UNITS if i in u for p in u} - {i}) for i in range(81)]
+ALL = 0x1FF  # nine candidate bits
+
+
+class SudokuError(ValueError):
+    """An unusable puzzle string; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing and checking
+
+
+def parse(text: str) -> str:
+    """Normalise a puzzle to 81 characters of 0-9 (0 = blank), or raise SudokuError saying what is wrong."""
+    cells = [ch for ch in text if not ch.isspace() and ch not in "|-+"]
+    bad = sorted({ch for ch in cells if ch not in "0123456789."})
+    if bad:
+        raise SudokuError(f"a puzzle holds digits 1-9 and 0 or '.' for blanks; found {''.join(bad)!r}")
+    if len(cells) != 81:
+        raise SudokuError(f"a puzzle has 81 cells; found {len(cells)}")
+    return "".join(BLANK if ch == "." else ch for ch in cells)
+
+
+def conflicts(grid: str) -> list[tuple[int, int]]:
+    """Pairs of cells that hold the same digit in one row, column or box."""
+    out = []
+    for i, ch in enumerate(grid):
+        if ch != BLANK:
+            out += [(i, p) for p in PEERS[i] if p > i and grid[p] == ch]
+    return out
+
+
+def is_solution(grid: str, puzzle: str | None = None) -> bool:
+    """A complete, valid grid (that keeps the puzzle's clues, when given)."""
+    if len(grid) != 81 or any(ch not in DIGITS for ch in grid) or conflicts(grid):
+        return False
+    return puzzle is None or all(p in (BLANK, g) for p, g in zip(puzzle, grid, strict=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Solving (bitmask search with the most constrained cell first)
+
+
+def _candidates(grid: list[int]) -> list[int]:
+    cand = [ALL] * 81
+    for i, d in enumerate(grid):
+        if d:
+            cand[i] = 0
+            bit = 1 << (d - 1)
+            for p in PEERS[i]:
+                cand[p] &= ~bit
+    return cand
+
+
+BOX_OF = [(i // 27) * 3 + (i % 9) // 3 for i in range(81)]
+
+
+def _search(grid: list[int], limit: int, out: list[list[int]], rng: random.Random | None) -> None:
+    """Depth-first search on row/column/box bitmasks, most constrained blank first; appends up to `limit`
+    solutions to `out`. `grid` must hold no conflicting clues."""
+    rows, cols, boxes = [0] * 9, [0] * 9, [0] * 9
+    empties = []
+    for i, d in enumerate(grid):
+        if d:
+            bit = 1 << (d - 1)
+            rows[i // 9] |= bit
+            cols[i % 9] |= bit
+            boxes[BOX_OF[i]] |= bit
+        else:
+            empties.append(i)
+
+    def rec() -> None:
+        best, best_free, best_count = -1, 0, 10
+        for i in empties:
+            if grid[i]:
+                continue
+            free = ALL & ~(rows[i // 9] | cols[i % 9] | boxes[BOX_OF[i]])
+            n = bin(free).count("1")
+            if n < best_count:
+                best, best_free, best_count = i, free, n
+                if n <= 1:
+                    break
+        if best < 0:
+            out.append(grid[:])
+            return
+        if best_count == 0:
+            return
+        r, c, b = best // 9, best % 9, BOX_OF[best]
+        digits = [d for d in range(1, 10) if best_free >> (d - 1) & 1]
+        if rng is not None:
+            rng.shuffle(digits)
+        for d in digits:
+            bit = 1 << (d - 1)
+            grid[best] = d
+            rows[r] |= bit
+            cols[c] |= bit
+            boxes[b] |= bit
+            rec()
+            rows[r] &= ~bit
+            cols[c] &= ~bit
+            boxes[b] &= ~bit
+            grid[best] = 0
+            if len(out) >= limit:
+                return
+
+    rec()
+
+
+def solutions(puzzle: str, limit: int = 2) -> list[str]:
+    """Up to `limit` solutions of `puzzle` (81 chars, 0 = blank)."""
+    if conflicts(puzzle):
+        return []
+    out: list[list[int]] = []
+    _search([int(ch) for ch in puzzle], limit, out, None)
+    return ["".join(map(str, g)) for g in out]
+
+
+def solve(puzzle: str) -> str:
+    """The unique solution of a puzzle, or SudokuError (contradictory clues, no solution, or several)."""
+    puzzle = parse(puzzle)
+    clash = conflicts(puzzle)
+    if clash:
+        a, b = clash[0]
+        raise SudokuError(
+            f"contradictory clues: cells r{a // 9 + 1}c{a % 9 + 1} and r{b // 9 + 1}c{b % 9 + 1} both hold {puzzle[a]}"
+        )
+    found = solutions(puzzle, 2)
+    if not found:
+        raise SudokuError("this puzzle has no solution")
+    if len(found) > 1:
+        raise SudokuError("this puzzle has more than one solution")
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Grading
+
+
+def grade(puzzle: str) -> str:
+    """easy / medium / hard: the techniques a logical solver needs (see the module docstring)."""
+    grid = [int(ch) for ch in puzzle]
+    needed = "easy"
+    while 0 in grid:
+        cand = _candidates(grid)
+        placed = False
+        for i in range(81):  # naked singles
+            if not grid[i] and bin(cand[i]).count("1") == 1:
+                grid[i] = cand[i].bit_length()
+                placed = True
+        if placed:
+            continue
+        for unit in UNITS:  # hidden singles
+            for d in range(1, 10):
+                bit = 1 << (d - 1)
+                spots = [i for i in unit if not grid[i] and cand[i] & bit]
+                if len(spots) == 1:
+                    grid[spots[0]] = d
+                    placed = True
+                    needed = "medium"
+                    break
+            if placed:
+                break
+        if not placed:
+            return "hard"
+    return needed
+
+
+# ------------------------------------------------------------------------------------------------
+# Generating
+
+
+def random_solution(rng: random.Random) -> str:
+    out: list[list[int]] = []
+    _search([0] * 81, 1, out, rng)
+    return "".join(map(str, out[0]))
+
+
+def make_puzzle(rng: random.Random, min_clues: int = 17) -> tuple[str, str]:
+    """(puzzle, solution): a random full grid with clues removed in random order while the solution stays
+    unique, down to `min_clues` or until no clue can go."""
+    solution = random_solution(rng)
+    grid = list(solution)
+    order = list(range(81))
+    rng.shuffle(order)
+    clues = 81
+    for i in order:
+        if clues <= min_clues:
+            break
+        digit, grid[i] = grid[i], BLANK
+        trial = "".join(grid)
+        # A removed cell whose peers already rule out every other digit keeps the solution unique.
+        cand = _candidates([int(ch) for ch in trial])[i]
+        if bin(cand).count("1") == 1 or len(solutions(trial, 2)) == 1:
+            clues -= 1
+        else:
+            grid[i] = digit
+    return "".join(grid), solution
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    puzzle: str
+    solution: str
+    level: str
+    clues: int
+
+    def to_json(self) -> str:
+        return json.dumps({"puzzle": self.puzzle, "solution": self.solution, "level": self.level, "clues": self.clues})
+
+
+def generate(seed: int, min_clues: int = 17) -> Puzzle:
+    """One graded puzzle, a deterministic function of `seed`; a random clue target gives a spread of
+    difficulties (fewer clues -> harder on average)."""
+    rng = random.Random(seed)
+    puzzle, solution = make_puzzle(rng, min_clues=rng.randint(min_clues, 45))
+    return Puzzle(puzzle, solution, grade(puzzle), 81 - puzzle.count(BLANK))
+
+
+def generate_level(level: str, seed: int, max_tries: int = 200) -> Puzzle:
+    """A puzzle of the given difficulty (tries seeds seed, seed + 1, ... until one fits)."""
+    if level not in LEVELS:
+        raise SudokuError(f"difficulty must be one of {LEVELS} (got {level!r})")
+    for k in range(max_tries):
+        p = generate(seed * 1000 + k, min_clues=17 if level == "hard" else 22)
+        if p.level == level:
+            return p
+    raise SudokuError(f"no {level} puzzle found in {max_tries} tries")
+
+
+def _worker(args) -> list[str]:
+    start, count = args
+    return [generate(s).to_json() for s in range(start, start + count)]
+
+
+def build_dataset(
+    out_dir: str | Path, train: int, validation: int, test: int, seed: int = 0, processes: int = 2, progress=None
+) -> dict[str, int]:
+    """Write {train,validation,test}.jsonl of graded puzzles. No solution grid is in two splits (a grid and
+    its puzzles all go to the split the grid first landed in; duplicates are dropped)."""
+    from multiprocessing import Pool
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = train + validation + test
+    chunk = 200
+    jobs = [(seed * 10**7 + s, min(chunk, total + total // 10 - s)) for s in range(0, total + total // 10, chunk)]
+    seen: set[str] = set()
+    splits = {"test": [], "validation": [], "train": []}
+    targets = {"test": test, "validation": validation, "train": train}
+    with Pool(processes) as pool:
+        for lines in pool.imap(_worker, jobs):
+            for line in lines:
+                solution = json.loads(line)["solution"]
+                if solution in seen:
+                    continue
+                seen.add(solution)
+                for name in ("test", "validation", "train"):
+                    if len(splits[name]) < targets[name]:
+                        splits[name].append(line)
+                        break
+            if progress:
+                progress(sum(len(v) for v in splits.values()), total)
+            if all(len(splits[n]) >= targets[n] for n in splits):
+                break
+    for name, lines in splits.items():
+        (out / f"{name}.jsonl").write_text("".join(line + "\n" for line in lines))
+    return {name: len(lines) for name, lines in splits.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# The model format
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<sep>"]
+CELL_TOKENS = [*list(DIGITS), "."]
+
+
+def make_tokenizer():
+    """The 15-token tokenizer (specials, digits 1-9 and '.'), one token per character."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ..tokenizer import Tokenizer
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CELL_TOKENS)}
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    special = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "sep_token": "<sep>",
+    }
+    return Tokenizer(tok, special, None)
+
+
+def prompt_ids(tokenizer, puzzle: str) -> list[int]:
+    text = "".join("." if ch == BLANK else ch for ch in puzzle)
+    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False), tokenizer.token_to_id("<sep>")]
+
+
+def solution_ids(tokenizer, solution: str) -> list[int]:
+    return tokenizer.encode(solution, add_special_tokens=False)
+
+
+def template(tokenizer, puzzle: str) -> list[int | None]:
+    """The canvas with the clues pinned and the blanks to fill (for dgemma.fill)."""
+    return [None if ch == BLANK else tokenizer.token_to_id(ch) for ch in puzzle]
+
+
+def decode_grid(tokenizer, ids: list[int]) -> str:
+    """81 model tokens -> 81 characters (anything that is not a digit becomes 0)."""
+    text = [tokenizer._tok.id_to_token(i) or "" for i in ids[:81]]
+    return "".join(t if t in DIGITS else BLANK for t in text).ljust(81, BLANK)
+
+
+def to_training_jsonl(src: str | Path, dst: str | Path, tokenizer) -> int:
+    """Puzzles JSONL -> training records with prompt_ids / completion_ids."""
+    n = 0
+    with Path(src).open() as f, Path(dst).open("w") as out:
+        for line in f:
+            p = json.loads(line)
+            out.write(
+                json.dumps(
+                    {
+                        "prompt_ids": prompt_ids(tokenizer, p["puzzle"]),
+                        "completion_ids": solution_ids(tokenizer, p["solution"]),
+                    }
+                )
+                + "\n"
+            )
+            n += 1
+    return n
+
+
+def pretty(grid: str) -> str:
+    """A 9 x 9 grid with box separators, blanks as '.'."""
+    rows = []
+    for r in range(9):
+        cells = ["." if ch == BLANK else ch for ch in grid[r * 9 : r * 9 + 9]]
+        rows.append(" | ".join(" ".join(cells[c : c + 3]) for c in (0, 3, 6)))
+        if r in (2, 5):
+            rows.append("------+-------+------")
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Solving with a model
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "sudoku"
+
+
+@dataclass
+class ModelSolve:
+    puzzle: str
+    solution: str  # 81 digits (0 where the model produced something that is not a digit)
+    solved: bool  # a valid grid that keeps every clue
+    clues_kept: bool
+    steps: int  # denoising steps the canvas took
+    result: object  # the GenerationResult
+
+
+def load_model(path: str | Path | None = None):
+    """The Sudoku model and its tokenizer (by default the one shipped inside dgemma)."""
+    from ..tokenizer import Tokenizer
+    from ..weights import load
+
+    directory = Path(path) if path is not None else MODEL_DIR
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no Sudoku model in {directory}; train one with recipes/sudoku-tiny.yaml or pass --model DIR"
+        )
+    return load(directory), Tokenizer.from_dir(directory)
+
+
+def solve_batch(model, tokenizer, puzzles: list[str], stream: bool = False, **sampling) -> list[ModelSolve]:
+    """Solve puzzles with the model: the canvas starts with the clues pinned, the blanks are denoised."""
+    from ..editing import fill
+
+    templates = [template(tokenizer, p) for p in puzzles]
+    prompts = [prompt_ids(tokenizer, p) for p in puzzles]
+    result = fill(model, templates, prompts, **sampling)
+    out = []
+    for i, p in enumerate(puzzles):
+        grid = decode_grid(tokenizer, result.tokens[i])
+        kept = all(c in (BLANK, g) for c, g in zip(p, grid, strict=True))
+        out.append(ModelSolve(p, grid, is_solution(grid, p), kept, result.stats.steps_per_canvas[i][0], result))
+    return out

@@ -1,0 +1,150 @@
+"""Sudoku: generation with unique solutions, grading, validation, the model format, and `dgemma sudoku`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dgemma
+from dgemma.cli import main
+from dgemma.tasks import sudoku
+
+# A well-known puzzle with a unique solution (the first of Norvig's "easy50").
+PUZZLE = "003020600900305001001806400008102900700000008006708200002609500800203009005010300"
+SOLUTION = "483921657967345821251876493548132976729564138136798245372689514814253769695417382"
+
+
+def test_generated_puzzles_are_unique_and_graded():
+    levels = set()
+    for seed in range(40):
+        p = sudoku.generate(seed)
+        assert len(p.puzzle) == 81 and sudoku.is_solution(p.solution, p.puzzle)
+        assert sudoku.solutions(p.puzzle, limit=3) == [p.solution]
+        assert p.clues == 81 - p.puzzle.count("0") and p.level == sudoku.grade(p.puzzle)
+        levels.add(p.level)
+    assert levels == set(sudoku.LEVELS)
+    assert sudoku.generate(7) == sudoku.generate(7)  # deterministic in the seed
+    for level in sudoku.LEVELS:
+        assert sudoku.generate_level(level, 3).level == level
+
+
+def test_grading_follows_the_techniques():
+    full = SOLUTION
+    one_blank = "0" + full[1:]
+    assert sudoku.grade(one_blank) == "easy"
+    assert sudoku.grade(PUZZLE) in ("easy", "medium")
+    hard = sudoku.generate_level("hard", 0).puzzle
+    assert sudoku.grade(hard) == "hard"
+
+
+def test_solver_and_validator():
+    assert sudoku.solve(PUZZLE) == SOLUTION
+    assert sudoku.is_solution(SOLUTION, PUZZLE)
+    assert not sudoku.is_solution(SOLUTION[:-1] + "1")  # a repeated digit
+    assert not sudoku.is_solution("1" + SOLUTION[1:], PUZZLE)  # keeps no clue... and breaks a column
+    wrong_clue = "4" + PUZZLE[1:]  # the solution has 4 there: still fine
+    assert sudoku.is_solution(SOLUTION, wrong_clue)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("123", "81 cells; found 3"),
+        ("x" * 81, "found 'x'"),
+        ("11" + "0" * 79, "contradictory clues: cells r1c1 and r1c2 both hold 1"),
+        ("0" * 81, "more than one solution"),
+        ("123456780" + "0" * 71 + "9", None),  # 9 cannot go at r1c9 (column has a 9 at r9c9): no solution
+    ],
+)
+def test_bad_puzzles_are_explained(text, message):
+    if message is None:
+        with pytest.raises(sudoku.SudokuError, match=r"no solution|more than one"):
+            sudoku.solve(text)
+    else:
+        with pytest.raises(sudoku.SudokuError, match=message):
+            sudoku.solve(text)
+
+
+def test_parse_accepts_dots_and_separators():
+    grid = sudoku.pretty(PUZZLE)
+    assert "|" in grid and sudoku.parse(grid) == PUZZLE
+    assert sudoku.parse(PUZZLE.replace("0", ".")) == PUZZLE
+
+
+def test_format_round_trip():
+    tok = sudoku.make_tokenizer()
+    assert tok.vocab_size == 15
+    ids = sudoku.prompt_ids(tok, PUZZLE)
+    assert len(ids) == 83 and ids[0] == tok.bos_token_id and ids[-1] == tok.token_to_id("<sep>")
+    assert sudoku.decode_grid(tok, sudoku.solution_ids(tok, SOLUTION)) == SOLUTION
+    assert tok.decode(ids[1:-1]) == PUZZLE.replace("0", ".")
+    tpl = sudoku.template(tok, PUZZLE)
+    assert sum(t is not None for t in tpl) == 81 - PUZZLE.count("0")
+
+
+def test_dataset_splits_share_no_grid(tmp_path):
+    counts = sudoku.build_dataset(tmp_path, train=30, validation=5, test=5, processes=1)
+    assert counts == {"test": 5, "validation": 5, "train": 30}
+    grids = {
+        name: {json.loads(line)["solution"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()}
+        for name in counts
+    }
+    assert not (grids["train"] & grids["test"]) and not (grids["train"] & grids["validation"])
+    assert not (grids["test"] & grids["validation"])
+    tok = sudoku.make_tokenizer()
+    sudoku.to_training_jsonl(tmp_path / "train.jsonl", tmp_path / "records.jsonl", tok)
+    record = json.loads((tmp_path / "records.jsonl").read_text().splitlines()[0])
+    assert len(record["prompt_ids"]) == 83 and len(record["completion_ids"]) == 81
+
+
+@pytest.fixture(scope="module")
+def tiny_sudoku_model(tmp_path_factory):
+    """An untrained model of the Sudoku format (solving is not expected, clue pinning is)."""
+    d = tmp_path_factory.mktemp("sudoku_model")
+    config = dgemma.preset("tiny")
+    config.text_config.vocab_size = 15
+    config.canvas_length = 81
+    model = dgemma.build(config)
+    dgemma.save(model, d)
+    sudoku.make_tokenizer().save(d)
+    return d
+
+
+def test_model_solve_keeps_clues(tiny_sudoku_model):
+    model, tok = sudoku.load_model(tiny_sudoku_model)
+    out = sudoku.solve_batch(model, tok, [PUZZLE, sudoku.generate(1).puzzle], max_denoising_steps=2, seed=0)
+    assert all(o.clues_kept for o in out) and all(len(o.solution) == 81 for o in out)
+    assert all(o.steps <= 2 for o in out)
+
+
+def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
+    args = ["sudoku", "--model", str(tiny_sudoku_model), "--steps", "2", "--seed", "0"]
+    code = main([*args, PUZZLE, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == (0 if out["solved"] else 1)
+    assert out["puzzle"] == PUZZLE and len(out["solution"]) == 81 and out["clues_kept"] and out["steps"] <= 2
+    (tmp_path / "p.txt").write_text(sudoku.pretty(PUZZLE))
+    main([*args, "--file", str(tmp_path / "p.txt"), "--show-canvas"])
+    captured = capsys.readouterr()
+    assert "solution" in captured.out and "step" in captured.err
+    main([*args, "--level", "hard"])
+    assert "denoising steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "puzzle, message",
+    [
+        ("12345", "81 cells"),
+        ("11" + "0" * 79, "contradictory clues"),
+        ("0" * 81, "more than one solution"),
+    ],
+)
+def test_sudoku_cli_bad_puzzles(tiny_sudoku_model, capsys, puzzle, message):
+    assert main(["sudoku", "--model", str(tiny_sudoku_model), puzzle]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sudoku_cli_missing_model(tmp_path, capsys):
+    assert main(["sudoku", "--model", str(tmp_path), PUZZLE]) == 2
+    assert "no Sudoku model" in capsys.readouterr().err
