@@ -489,6 +489,49 @@ class _Loop:
 # Public entry points
 
 
+def prepare(
+    model: DiffusionGemma,
+    prompt,
+    params: SamplingParams | None = None,
+    *,
+    tokenizer=None,
+    pins: torch.Tensor | None = None,
+    cache: KVCache | None = None,
+    **overrides,
+) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
+    """Validate the request, encode the prompt and return the canvas loop, a generator of events and
+    DenoiseCalls (see `drive`). `stream` is this plus a driver; a server drives many at once."""
+    t0 = time.perf_counter()
+    params = dataclasses.replace(params or SamplingParams(), **overrides)
+    p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
+    if pins is not None and p.mode == "exact":
+        raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
+    rows = _as_batch(prompt, tokenizer)
+    pad_id = model.generation_config.pad_token_id
+    ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
+    if pins is not None and pins.shape[0] != ids.shape[0]:
+        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {ids.shape[0]} prompts")
+    c = model.config.canvas_length
+    total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
+    room = ids.shape[1] + math.ceil(total / c) * c
+    limit = model.text_config.max_position_embeddings
+    if (0 if cache is None else cache.length) + room > limit:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) plus {total} new tokens (rounded up to whole canvases "
+            f"of {c}) exceed the model's context of {limit} positions"
+        )
+    if cache is None:
+        cache = model.new_cache(ids.shape[0], room)
+    elif cache.length + room > cache.max_length:
+        raise ValueError(
+            f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
+        )
+    with torch.no_grad():
+        model.encode(ids, cache, attention_mask=mask)
+    loop = _Loop(model, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
+    return loop.run()
+
+
 @torch.no_grad()
 def stream(
     model: DiffusionGemma,
@@ -507,34 +550,8 @@ def stream(
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
     sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache.
     """
-    t0 = time.perf_counter()
-    params = dataclasses.replace(params or SamplingParams(), **overrides)
-    p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
-    if pins is not None and p.mode == "exact":
-        raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
-    rows = _as_batch(prompt, tokenizer)
-    pad_id = model.generation_config.pad_token_id
-    ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
-    if pins is not None and pins.shape[0] != ids.shape[0]:
-        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {ids.shape[0]} prompts")
-    c = model.config.canvas_length
-    total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
-    room = ids.shape[1] + math.ceil(total / c) * c
-    if cache is None:
-        cache = model.new_cache(ids.shape[0], room)
-    elif cache.length + room > cache.max_length:
-        raise ValueError(
-            f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
-        )
-    limit = model.text_config.max_position_embeddings
-    if cache.length + room > limit:
-        raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) plus {total} new tokens (rounded up to whole canvases "
-            f"of {c}) exceed the model's context of {limit} positions"
-        )
-    model.encode(ids, cache, attention_mask=mask)
-    loop = _Loop(model, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
-    for event in drive(model, loop.run()):
+    loop = prepare(model, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
+    for event in drive(model, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event

@@ -1,0 +1,216 @@
+"""A batching engine for serving: many requests, one model, one background thread.
+
+Each request runs the same canvas loop as `dgemma.generate` (its own prompt, cache, sampling settings
+and random generator). What the engine adds is that the loops' model calls are batched: every step, the
+current canvas of each active request goes through one `denoise` pass together (their caches stacked,
+each at its own length), and each loop then continues on its share of the logits. New requests join at
+the next step (up to `max_batch` active); beyond that they wait in a bounded queue; a full queue is
+refused at once so the server can answer 429. A request that is cancelled (its client went away) or
+runs past its deadline is dropped at the next step.
+
+Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
+which the web layer reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .generate import DenoiseCall, DoneEvent, DraftEvent, prepare
+from .kv_cache import StackedCache
+from .model import DiffusionGemma
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is full; try again later."""
+
+
+class RequestTimeout(RuntimeError):
+    """The request ran past its deadline."""
+
+
+@dataclass
+class EngineRequest:
+    prompt: list[int]
+    params: dict  # SamplingParams fields
+    pins: torch.Tensor | None = None
+    want_drafts: bool = False
+    timeout: float | None = None  # seconds from submission
+    id: int = field(default_factory=itertools.count().__next__)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+    # engine side
+    _loop: object = None
+    _call: DenoiseCall | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    requests_rejected: int = 0
+    tokens_generated: int = 0
+    denoising_steps: int = 0  # batched forward passes
+    row_steps: int = 0  # canvas-steps summed over the rows of those passes
+    last_batch_size: int = 0
+
+
+class Engine:
+    """Owns the model; `submit` requests from any thread, read their events from `request.events`."""
+
+    def __init__(self, model: DiffusionGemma, *, max_batch: int = 8, max_queue: int = 64):
+        if max_batch <= 0 or max_queue < 0:
+            raise ValueError("max_batch must be > 0 and max_queue >= 0")
+        self.model = model
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.stats = EngineStats()
+        self._waiting: deque[EngineRequest] = deque()
+        self._active: list[EngineRequest] = []
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ---------------------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> EngineRequest:
+        with self._lock:
+            if len(self._waiting) >= self.max_queue and len(self._active) >= self.max_batch:
+                self.stats.requests_rejected += 1
+                raise QueueFull(f"{len(self._waiting)} requests are waiting; try again shortly")
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._lock.notify()
+        return request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not self._stop and not self._waiting and not self._active:
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    admitted = []
+                    while self._waiting and len(self._active) + len(admitted) < self.max_batch:
+                        admitted.append(self._waiting.popleft())
+                for request in admitted:
+                    self._start(request)
+                self._step()
+        for request in list(self._active) + list(self._waiting):
+            request.events.put(RuntimeError("the server is shutting down"))
+
+    def _start(self, request: EngineRequest) -> None:
+        """Encode the prompt and run the loop up to its first model call."""
+        try:
+            request._loop = prepare(self.model, request.prompt, pins=request.pins, **request.params)
+        except Exception as e:  # a bad request must not stop the engine
+            self.stats.requests_failed += 1
+            request.events.put(e)
+            return
+        self._active.append(request)
+        self._advance(request, None)
+
+    def _advance(self, request: EngineRequest, reply) -> None:
+        """Resume a request's loop with `reply` until its next model call (or its end)."""
+        try:
+            while True:
+                item = request._loop.send(reply)
+                reply = None
+                if isinstance(item, DenoiseCall):
+                    request._call = item
+                    return
+                if isinstance(item, DraftEvent) and not request.want_drafts:
+                    continue
+                if isinstance(item, DoneEvent):
+                    self.stats.requests_finished += 1
+                    self.stats.tokens_generated += sum(len(t) for t in item.result.tokens)
+                request.events.put(item)
+        except StopIteration:
+            request._call = None
+        except Exception as e:  # report it to this request; the others go on
+            self.stats.requests_failed += 1
+            request._call = None
+            request.events.put(e)
+
+    def _drop_finished(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for r in self._active:
+            if r._call is None:
+                continue
+            if r.cancelled.is_set():
+                self.stats.requests_cancelled += 1
+                r._loop.close()
+                continue
+            if r.timeout is not None and now - r.submitted > r.timeout:
+                self.stats.requests_failed += 1
+                r._loop.close()
+                r.events.put(RequestTimeout(f"the request took longer than {r.timeout:g} s"))
+                continue
+            keep.append(r)
+        self._active = keep
+
+    def _step(self) -> None:
+        """One batched denoising pass for every active request."""
+        self._drop_finished()
+        if not self._active:
+            return
+        calls = [r._call for r in self._active]
+        embeds = []
+        m = self.model.text_config.hidden_size
+        for call in calls:
+            if call.self_conditioning_logits is not None:
+                embeds.append(self.model.soft_embedding(call.self_conditioning_logits))
+            elif call.self_conditioning_embeds is not None:
+                embeds.append(call.self_conditioning_embeds)
+            else:  # the first step: an exactly-zero signal
+                embeds.append(torch.zeros(*call.tokens.shape, m, dtype=self.model.dtype, device=self.model.device))
+        tokens = torch.cat([c.tokens for c in calls])
+        cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
+        try:
+            logits = self.model.denoise(tokens, cache, self_conditioning_embeds=torch.cat(embeds))
+        except Exception as e:
+            for r in self._active:
+                r.events.put(e)
+                r._call = None
+            self.stats.requests_failed += len(self._active)
+            self._active = []
+            return
+        self.stats.denoising_steps += 1
+        self.stats.row_steps += tokens.shape[0]
+        self.stats.last_batch_size = len(calls)
+        row = 0
+        for r, call in zip(list(self._active), calls, strict=True):
+            n = call.tokens.shape[0]
+            self._advance(r, logits[row : row + n])
+            row += n
+        self._active = [r for r in self._active if r._call is not None]
