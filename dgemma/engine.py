@@ -80,6 +80,7 @@ class Engine:
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
         self._active: list[EngineRequest] = []
+        self._running = 0  # active requests as the submitting threads see them (updated under the lock)
         self._lock = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
@@ -88,7 +89,7 @@ class Engine:
     # -- the caller's side ---------------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> EngineRequest:
         with self._lock:
-            if len(self._waiting) >= self.max_queue and len(self._active) >= self.max_batch:
+            if len(self._waiting) + self._running >= self.max_batch + self.max_queue:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; try again shortly")
             self._waiting.append(request)
@@ -102,7 +103,7 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        return self._running
 
     def close(self) -> None:
         with self._lock:
@@ -122,9 +123,12 @@ class Engine:
                     admitted = []
                     while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                         admitted.append(self._waiting.popleft())
+                    self._running = len(self._active) + len(admitted)
                 for request in admitted:
                     self._start(request)
                 self._step()
+                with self._lock:
+                    self._running = len(self._active)
         for request in list(self._active) + list(self._waiting):
             request.events.put(RuntimeError("the server is shutting down"))
 

@@ -351,20 +351,18 @@ def decode_grid(tokenizer, ids: list[int]) -> str:
 
 
 def to_training_jsonl(src: str | Path, dst: str | Path, tokenizer) -> int:
-    """Puzzles JSONL -> training records with prompt_ids / completion_ids."""
+    """Puzzles JSONL -> training records: prompt_ids, completion_ids, and the clue cells as `pinned` (they are
+    pinned in the canvas at inference, so training keeps them clean and does not score them)."""
     n = 0
     with Path(src).open() as f, Path(dst).open("w") as out:
         for line in f:
             p = json.loads(line)
-            out.write(
-                json.dumps(
-                    {
-                        "prompt_ids": prompt_ids(tokenizer, p["puzzle"]),
-                        "completion_ids": solution_ids(tokenizer, p["solution"]),
-                    }
-                )
-                + "\n"
-            )
+            record = {
+                "prompt_ids": prompt_ids(tokenizer, p["puzzle"]),
+                "completion_ids": solution_ids(tokenizer, p["solution"]),
+                "pinned": [int(ch != BLANK) for ch in p["puzzle"]],
+            }
+            out.write(json.dumps(record) + "\n")
             n += 1
     return n
 

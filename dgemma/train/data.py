@@ -6,6 +6,10 @@ One record per line, in one of three forms:
     {"prompt": "...", "completion": "..."}
     {"prompt_ids": [2, 17, ...], "completion_ids": [40, 41, ...]}     (already tokenised)
 
+Any record may add `"pinned": [0, 1, 1, 0, ...]` (one flag per response token): positions that will be
+given at inference (a template's fixed cells, an infill's suffix). They are never noised in training and
+not scored, so training sees the canvases inference will see.
+
 Chat records are rendered with the checkpoint's chat template: the prompt is every message but the last,
 with the generation prompt (`<|turn>model\\n`); the response is what the template adds for the final
 assistant message, i.e. its content and the closing end-of-turn token (the separator after it is not part
@@ -34,6 +38,7 @@ class Example:
     response: list[int]
     truncated: bool = False
     line: int = 0  # 1-based line in the source file (0: built in code)
+    pinned: tuple[bool, ...] | None = None  # response positions given at inference (never noised, not scored)
 
 
 class DataError(ValueError):
@@ -133,6 +138,15 @@ def load_jsonl(
             except json.JSONDecodeError as e:
                 raise _fail(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from e
             prompt, response = tokenize_record(record, tokenizer, vocab_size, path, line_no, use_chat_template)
+            pinned = record.get("pinned")
+            if pinned is not None:
+                if not isinstance(pinned, list) or len(pinned) != len(response) or any(p not in (0, 1) for p in pinned):
+                    raise _fail(
+                        path,
+                        line_no,
+                        f"'pinned' must be a list of {len(response)} flags (0 or 1), one per response token",
+                    )
+                pinned = tuple(bool(p) for p in pinned)
             counts["records"] += 1
             if not prompt:
                 raise _fail(path, line_no, "the prompt is empty (the encoder needs at least one token)")
@@ -142,8 +156,9 @@ def load_jsonl(
             truncated = len(prompt) + len(response) > max_length
             if truncated:
                 response = response[: max_length - len(prompt)]
+                pinned = None if pinned is None else pinned[: len(response)]
                 counts["truncated"] += 1
-            examples.append(Example(prompt, response, truncated, line_no))
+            examples.append(Example(prompt, response, truncated, line_no, pinned))
     if not examples:
         raise DataError(f"{path}: no usable examples ({counts})")
     return examples, counts

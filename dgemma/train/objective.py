@@ -131,14 +131,17 @@ def assemble(samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int
         target_ok = [True] * (len(prefix) + len(rest))
         if ex.truncated:
             target_ok = [i < real_end for i in range(len(target_ok))]
-        rows.append((prefix, rest, target_ok))
-    start = max(len(p) for p, _, _ in rows)
-    width = start + max(len(r) for _, r, _ in rows)
+        # Pinned response positions (given at inference): never noised, not scored.
+        flags = list(ex.pinned or ()) + [False] * (n * c - len(ex.pinned or ()))
+        pins = flags[s.canvas * c : (s.canvas + 1) * c]
+        rows.append((prefix, rest, target_ok, pins))
+    start = max(len(p) for p, _, _, _ in rows)
+    width = start + max(len(r) for _, r, _, _ in rows)
     b = len(samples)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     valid = torch.zeros(b, width, dtype=torch.bool)
     target = torch.zeros(b, width, dtype=torch.bool)
-    for i, (prefix, rest, ok) in enumerate(rows):
+    for i, (prefix, rest, ok, _) in enumerate(rows):
         a = start - len(prefix)
         seq = prefix + rest
         ids[i, a : a + len(seq)] = torch.tensor(seq)
@@ -148,9 +151,10 @@ def assemble(samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int
     ar_targets = torch.zeros_like(valid)
     ar_targets[:, 1:] = valid[:, :-1] & valid[:, 1:] & target[:, 1:]
     clean = ids[:, start : start + c].clone()
-    flips = torch.stack([s.flip for s in samples])
+    pinned = torch.tensor([pins for _, _, _, pins in rows], dtype=torch.bool)
+    flips = torch.stack([s.flip for s in samples]) & ~pinned
     noisy = torch.where(flips, torch.stack([s.noise for s in samples]), clean)
-    supervised = target[:, start : start + c].clone()
+    supervised = target[:, start : start + c] & ~pinned
     return Batch(
         ids,
         valid,
@@ -217,9 +221,11 @@ def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConf
     device = model.device
     batch = Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in vars(batch).values()))
     b, width = batch.ids.shape
+    if cfg.encoder_loss_weight == 0:  # no next-token loss: encode only the prefix the canvases may see
+        width = batch.canvas_start
     cache = model.new_cache(b, width, keep_all=True)
-    hidden = model.encode(batch.ids, cache, attention_mask=batch.valid).hidden_states
-    ar, _ = encoder_loss(model, hidden, batch, cfg)
+    hidden = model.encode(batch.ids[:, :width], cache, attention_mask=batch.valid[:, :width]).hidden_states
+    ar = encoder_loss(model, hidden, batch, cfg)[0] if cfg.encoder_loss_weight else hidden.new_zeros(())
     if cfg.diffusion_loss_weight == 0:  # a plain autoregressive model (e.g. an AR twin): no decoder passes
         loss = cfg.encoder_loss_weight * ar
         return loss, {"loss": float(loss.detach()), "diffusion_loss": 0.0, "encoder_loss": float(ar.detach())}

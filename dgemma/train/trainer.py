@@ -78,6 +78,8 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma
             text = config.text_config.to_dict()
             text.update(cfg.model.overrides)
             text.pop("per_layer_config", None)
+            if "num_hidden_layers" in cfg.model.overrides and "layer_types" not in cfg.model.overrides:
+                text.pop("layer_types", None)  # the default pattern for the new depth
             config = DiffusionGemmaConfig.from_dict({**config.to_dict(), "text_config": text})
         if cfg.model.canvas_length is not None:
             config.canvas_length = cfg.model.canvas_length
