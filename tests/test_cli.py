@@ -65,7 +65,9 @@ def test_generate_prints_text_and_json(ckpt_with_tokenizer, capsys):
     args = ("-p", "hello", "--max-new-tokens", "12", "--json", "--mode", "exact", *FAST)
     assert _cli("generate", ckpt_with_tokenizer, *args) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["tokens"] <= 12 and info["canvases"] == 2 and info["steps_per_canvas"] == [3, 3]
+    # 12 tokens take two 8-token canvases unless the random model ends its text in the first
+    assert info["tokens"] <= 12 and info["canvases"] in (1, 2)
+    assert info["steps_per_canvas"] == [3] * info["canvases"]
 
 
 def test_generate_ar_raw_and_show_canvas(ckpt_with_tokenizer, capsys):
