@@ -27,3 +27,33 @@ def dense_ckpt(tmp_path_factory):
     """A tiny oracle whose experts add exactly zero (down_proj = 0), for dense-only comparisons."""
     d = tmp_path_factory.mktemp("dense")
     return d, make_oracle_checkpoint(d, seed=1, dense=True)
+
+
+@pytest.fixture(scope="session")
+def model_dir(moe_ckpt, tmp_path_factory):
+    """The tiny MoE checkpoint with a tokenizer (chat template included), as a server would load it."""
+    import shutil
+
+    from dgemma.testing import make_tokenizer
+
+    d = tmp_path_factory.mktemp("served") / "tiny-model"
+    shutil.copytree(moe_ckpt[0], d)
+    make_tokenizer(512).save(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    """A live server (API key `live_server.KEY`) on the tiny checkpoint, shared by the HTTP tests."""
+    pytest.importorskip("uvicorn")
+    from live_server import KEY, LiveServer
+
+    from dgemma.server.app import create_app
+    from dgemma.testing import load_quiet
+    from dgemma.tokenizer import Tokenizer
+
+    app = create_app(
+        load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", api_key=KEY, max_batch=4, max_queue=8
+    )
+    with LiveServer(app) as live:
+        yield live

@@ -3,68 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from dgemma.testing import load_quiet, make_tokenizer
+from dgemma.testing import load_quiet
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
-KEY = "sk-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, app):
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture(scope="module")
-def model_dir(moe_ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("served") / "tiny-model"
-    shutil.copytree(moe_ckpt[0], d)
-    make_tokenizer(512).save(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    from dgemma.server.app import create_app
-    from dgemma.tokenizer import Tokenizer
-
-    model = load_quiet(model_dir)
-    app = create_app(model, Tokenizer.from_dir(model_dir), model_name="tiny", api_key=KEY, max_batch=4, max_queue=8)
-    with LiveServer(app) as live:
-        yield live
+from live_server import KEY, LiveServer  # noqa: E402
 
 
 @pytest.fixture()

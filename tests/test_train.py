@@ -82,6 +82,25 @@ def test_batch_layout_and_supervision():
     assert batch.supervised.all()  # every selected canvas here holds real tokens or a real end
 
 
+def test_encoder_targets_response_scores_only_unpinned_response_tokens():
+    """The AR twin of a task model is scored on what the diffusion model predicts: the response tokens
+    that are not pinned, never the prompt."""
+    pins = (True, False, False, True, False, False, False, False)
+    ex = Example([2, 5, 6, 7], list(range(10, 18)), pinned=pins)
+    cfg = ObjectiveConfig()
+    s = draw_sample(ex, 0, 0, 8, 512, cfg)
+    full = assemble([s], 8, eos_id=1, pad_id=0)
+    resp = assemble([s], 8, eos_id=1, pad_id=0, encoder_targets="response")
+    assert torch.equal(full.ids, resp.ids) and torch.equal(full.supervised, resp.supervised)
+    start = resp.canvas_start  # one canvas: the response starts right after the prompt
+    expected = torch.zeros_like(resp.ar_targets[0])
+    expected[start : start + 8] = ~torch.tensor(pins)
+    assert torch.equal(resp.ar_targets[0], expected)
+    assert full.ar_targets[0, 1:start].all()  # "all" also scores the prompt
+    with pytest.raises(ValueError, match="encoder_targets"):
+        ObjectiveConfig(encoder_targets="prompt")
+
+
 def test_noise_depends_only_on_seed_and_draw_index():
     cfg = ObjectiveConfig()
     a = draw_sample(EXAMPLES[0], 17, 3, 8, 512, cfg)

@@ -55,6 +55,9 @@ class ObjectiveConfig:
     reweight_clip: float = 100.0
     normalization: str = "example"  # per-example mean then batch mean | token mean over the batch
     ar_chunk_tokens: int = 512  # tokens per chunk of the encoder's cross-entropy (never all logits at once)
+    # which next tokens the encoder loss scores: "all" (prompt and response, the released recipes) or
+    # "response" (only response tokens that are not pinned: what an AR twin of a task model must predict)
+    encoder_targets: str = "all"
 
     def __post_init__(self) -> None:
         errors = []
@@ -68,6 +71,8 @@ class ObjectiveConfig:
             errors.append(f"normalization must be one of {NORMALIZATIONS} (got {self.normalization!r})")
         if self.diffusion_loss_weight < 0 or self.encoder_loss_weight < 0:
             errors.append("loss weights must be >= 0")
+        if self.encoder_targets not in ("all", "response"):
+            errors.append(f"encoder_targets must be 'all' or 'response' (got {self.encoder_targets!r})")
         if self.reweight_clip <= 0 or self.ar_chunk_tokens <= 0:
             errors.append("reweight_clip and ar_chunk_tokens must be > 0")
         if errors:
@@ -117,7 +122,11 @@ class Batch:
         return int(self.valid.sum()) + self.clean.numel()
 
 
-def assemble(samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int) -> Batch:
+def assemble(
+    samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int, encoder_targets: str = "all"
+) -> Batch:
+    """Pad a list of draws into one batch; `encoder_targets` picks the next tokens the encoder loss scores
+    ("all", or "response": response tokens that are not pinned)."""
     c = canvas_length
     rows = []
     for s in samples:
@@ -134,24 +143,30 @@ def assemble(samples: list[Sample], canvas_length: int, eos_id: int, pad_id: int
         # Pinned response positions (given at inference): never noised, not scored.
         flags = list(ex.pinned or ()) + [False] * (n * c - len(ex.pinned or ()))
         pins = flags[s.canvas * c : (s.canvas + 1) * c]
-        rows.append((prefix, rest, target_ok, pins))
-    start = max(len(p) for p, _, _, _ in rows)
-    width = start + max(len(r) for _, r, _, _ in rows)
+        ar_ok = list(target_ok)
+        if encoder_targets == "response":
+            p = len(ex.prompt)
+            ar_ok = [ok and i >= p and not flags[i - p] for i, ok in enumerate(target_ok)]
+        rows.append((prefix, rest, target_ok, pins, ar_ok))
+    start = max(len(r[0]) for r in rows)
+    width = start + max(len(r[1]) for r in rows)
     b = len(samples)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     valid = torch.zeros(b, width, dtype=torch.bool)
     target = torch.zeros(b, width, dtype=torch.bool)
-    for i, (prefix, rest, ok, _) in enumerate(rows):
+    ar_target = torch.zeros(b, width, dtype=torch.bool)
+    for i, (prefix, rest, ok, _, ar_ok) in enumerate(rows):
         a = start - len(prefix)
         seq = prefix + rest
         ids[i, a : a + len(seq)] = torch.tensor(seq)
         valid[i, a : a + len(seq)] = True
         target[i, a : a + len(seq)] = torch.tensor(ok)
-    # a next-token pair (i, i+1) counts when both are real tokens and i+1 is a supervisable position
+        ar_target[i, a : a + len(seq)] = torch.tensor(ar_ok)
+    # a next-token pair (i, i+1) counts when both are real tokens and i+1 is a scored position
     ar_targets = torch.zeros_like(valid)
-    ar_targets[:, 1:] = valid[:, :-1] & valid[:, 1:] & target[:, 1:]
+    ar_targets[:, 1:] = valid[:, :-1] & valid[:, 1:] & ar_target[:, 1:]
     clean = ids[:, start : start + c].clone()
-    pinned = torch.tensor([pins for _, _, _, pins in rows], dtype=torch.bool)
+    pinned = torch.tensor([r[3] for r in rows], dtype=torch.bool)
     flips = torch.stack([s.flip for s in samples]) & ~pinned
     noisy = torch.where(flips, torch.stack([s.noise for s in samples]), clean)
     supervised = target[:, start : start + c] & ~pinned

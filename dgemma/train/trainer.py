@@ -194,7 +194,7 @@ def _microbatches(indices: list[tuple[int, int]], micro: int) -> list[list[tuple
 
 def _batch_loss(model, examples, pairs, cfg, canvas, vocab, eos_id, pad_id, autocast):
     samples = [draw_sample(examples[e], d, cfg.train.seed, canvas, vocab, cfg.objective) for d, e in pairs]
-    batch = assemble(samples, canvas, eos_id, pad_id)
+    batch = assemble(samples, canvas, eos_id, pad_id, cfg.objective.encoder_targets)
     with autocast():
         loss, parts = block_diffusion_loss(model, batch, cfg.objective)
     return loss, parts, batch.tokens
