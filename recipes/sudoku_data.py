@@ -1,5 +1,6 @@
 """Build the Sudoku datasets: graded puzzles (train / validation / test, no solution grid shared between
-splits) and the training records of the model format (see dgemma/tasks/sudoku.py).
+splits), the training records of the small model's format (see dgemma/tasks/sudoku.py), and chat records
+for fine-tuning the real model (recipes/sudoku-lora-26b.yaml).
 
     python recipes/sudoku_data.py [--train 100000] [--validation 1000] [--test 1000] [--out recipes/data/sudoku]
 
@@ -38,6 +39,7 @@ def main() -> None:
     tokenizer.save(args.out / "tokenizer")
     for split in counts:
         sudoku.to_training_jsonl(args.out / f"{split}.jsonl", args.out / f"{split}-records.jsonl", tokenizer)
+        sudoku.to_chat_jsonl(args.out / f"{split}.jsonl", args.out / f"{split}-chat.jsonl")  # the 26B LoRA
     print(f"{counts} in {time.time() - start:.0f} s -> {args.out}", file=sys.stderr)
 
 

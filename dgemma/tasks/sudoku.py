@@ -367,6 +367,38 @@ def to_training_jsonl(src: str | Path, dst: str | Path, tokenizer) -> int:
     return n
 
 
+# -- the chat format, for fine-tuning the real model (Google's Sudoku guide) -----------------------
+
+CHAT_SYSTEM = (
+    "Solve the following Sudoku puzzle. The puzzle is 81 digits, row by row, with 0 for an empty cell. "
+    "Answer with the 81 digits of the solved grid, row by row, separated by spaces."
+)
+
+
+def chat_record(puzzle: str, solution: str) -> dict:
+    """One chat training record in the guide's format: a system instruction, the puzzle as space-separated
+    digits with 0 for blanks as the user turn, the space-separated solution as the model's reply."""
+    puzzle, solution = parse(puzzle), parse(solution)
+    return {
+        "messages": [
+            {"role": "system", "content": CHAT_SYSTEM},
+            {"role": "user", "content": " ".join(puzzle.replace(BLANK, "0"))},
+            {"role": "assistant", "content": " ".join(solution)},
+        ]
+    }
+
+
+def to_chat_jsonl(src: str | Path, dst: str | Path) -> int:
+    """Puzzles JSONL -> chat records (`messages`) for LoRA fine-tuning of a chat checkpoint."""
+    n = 0
+    with Path(src).open() as f, Path(dst).open("w") as out:
+        for line in f:
+            p = json.loads(line)
+            out.write(json.dumps(chat_record(p["puzzle"], p["solution"])) + "\n")
+            n += 1
+    return n
+
+
 def pretty(grid: str) -> str:
     """A 9 x 9 grid with box separators, blanks as '.'."""
     rows = []
