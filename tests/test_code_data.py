@@ -1,0 +1,80 @@
+"""The code model's data: the stdlib corpus split by file, the tokenizer round trip, the record layout."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from dgemma.editing import _infill_template
+from dgemma.tasks import code
+
+
+def _fake_stdlib(root):
+    files = {
+        "a.py": "def f(x):\n    return x + 1\n",
+        "pkg/b.py": "import os\n\nclass B:\n    pass\n",
+        "pkg/test_b.py": "assert True\n",  # a test module: left out
+        "test/c.py": "x = 1\n",  # a test package: left out
+        "bad.py": "def broken(:\n",  # does not parse: left out
+        "site-packages/d.py": "y = 2\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "latin.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: left out
+    return root
+
+
+def test_collect_skips_tests_and_broken_files(tmp_path):
+    files = code.collect(_fake_stdlib(tmp_path))
+    assert [f.path for f in files] == ["a.py", "pkg/b.py"]
+
+
+def test_stdlib_splits_are_disjoint_and_stable():
+    files = code.collect()
+    assert len(files) > 300  # the real standard library
+    splits = {s: {f.path for f in files if f.split == s} for s in code.SPLITS}
+    assert all(splits.values())
+    assert not (splits["train"] & splits["validation"] or splits["train"] & splits["test"])
+    assert not splits["validation"] & splits["test"]
+    assert all(code.split_of(p) == s for s, paths in splits.items() for p in paths)  # a function of the path
+    assert 0.8 < len(splits["train"]) / len(files) < 0.97
+    assert not any("/test/" in f"/{p}" or p.rsplit("/", 1)[-1].startswith("test_") for p in splits["test"])
+
+
+def test_tokenizer_round_trip():
+    files = code.collect()[:40]
+    tok = code.train_tokenizer([f.text for f in files], vocab_size=600)
+    for f in files[:10]:
+        assert tok.decode(tok.encode(f.text, add_special_tokens=False)) == f.text
+    assert tok.eos_token_id is not None and tok.vocab_size <= 600
+
+
+def test_infill_records_match_the_inference_layout():
+    ids = list(range(10, 400))
+    rng = random.Random(0)
+    canvas, end = 16, 1
+    records = list(code.records_for_file(ids, rng, context=32, canvas=canvas, end_id=end, per_tokens=8))
+    infills = [r for r in records if "pinned" in r]
+    assert infills and len(infills) < len(records)  # both kinds
+    for r in records:
+        assert (
+            len(r["prompt_ids"]) <= 32
+            and r["prompt_ids"] == ids[ids.index(r["prompt_ids"][0]) :][: len(r["prompt_ids"])]
+        )
+        assert len(r["completion_ids"]) <= canvas
+    for r in infills:
+        middle = r["pinned"].count(0)
+        assert r["pinned"] == [0] * middle + [1] * (canvas - middle)
+        cut = ids.index(r["prompt_ids"][-1]) + 1
+        suffix = ids[cut + middle :]
+        template, _ = _infill_template(middle, suffix, canvas, end)
+        assert r["completion_ids"][middle:] == template[middle:]  # what dgemma.infill pins
+
+
+def test_write_records(tmp_path):
+    files = code.collect(_fake_stdlib(tmp_path / "src"))
+    tok = code.train_tokenizer([f.text for f in files], vocab_size=300)
+    n = code.write_records(files, tok, tmp_path / "r.jsonl", seed=0, context=16, canvas=8)
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert n == len(lines) > 0 and all(json.loads(line)["prompt_ids"] for line in lines)
