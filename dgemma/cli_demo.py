@@ -1,0 +1,237 @@
+"""`dgemma demo`: a one-minute tour on the models shipped inside dgemma, no download, no GPU.
+
+1. a canvas of random tokens denoised live into Python code from a prompt;
+2. infilling: the middle of a small function, written with both sides in view;
+3. editing: one span of a function rewritten, everything else kept;
+4. a Sudoku solved by the Sudoku model, the grid filling in;
+then the statistics of each part (denoising steps, tokens per forward, tokens/s).
+
+In a terminal the canvases redraw in place (rich); when the output is not a terminal the demo prints
+plain text snapshots (no escape codes), so it can be piped or recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CODE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "code"
+
+GENERATE_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
+INFILL_PREFIX = "def mean(values):\n    total = "
+INFILL_SUFFIX = "\n    return total / len(values)\n"
+EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER = "def average(xs):\n    return sum(xs) / ", "len(ys)", "\n"
+
+
+@dataclass
+class Part:
+    name: str
+    tokens: int
+    steps: int
+    forwards: int
+    seconds: float
+
+
+class Screen:
+    """Where the demo writes: a rich console; live redraws only on a terminal."""
+
+    def __init__(self, live: bool | None = None):
+        from rich.console import Console
+
+        self.console = Console(highlight=False)
+        self.live = self.console.is_terminal if live is None else live
+
+    def title(self, text: str) -> None:
+        if self.live:
+            self.console.rule(f"[bold cyan]{text}")
+        else:
+            self.console.print(f"\n== {text} ==")
+
+    def print(self, *args, **kwargs) -> None:
+        self.console.print(*args, **kwargs)
+
+
+def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16, 32)):
+    """Drive a generation stream; redraw `render(event)` live, or print a few snapshots as plain text."""
+    from .generate import DoneEvent, DraftEvent
+
+    result = None
+    if screen.live:
+        from rich.live import Live
+
+        with Live(console=screen.console, refresh_per_second=30, transient=False) as live:
+            for event in events:
+                if isinstance(event, DraftEvent):
+                    live.update(render(event))
+                elif isinstance(event, DoneEvent):
+                    result = event.result
+    else:
+        for event in events:
+            if isinstance(event, DraftEvent) and event.step in snapshot_steps:
+                screen.print(f"-- canvas {event.canvas_index + 1}, step {event.step} --")
+                screen.print(render(event).plain)
+            elif isinstance(event, DoneEvent):
+                result = event.result
+    return result
+
+
+def _code_part(screen: Screen, model, tok, seed: int) -> Part:
+    from rich.text import Text
+
+    from .generate import stream
+
+    screen.title("1. A canvas of random tokens denoised into code")
+    screen.print(Text(GENERATE_PROMPT, style="bold"), end="")
+    prompt = tok.encode(GENERATE_PROMPT)
+    final: list[int] = []
+
+    def render(event) -> Text:
+        text = Text(tok.decode(final), style="bold")
+        for t, ok in zip(event.drafts[0].tolist(), event.accepted[0].tolist(), strict=True):
+            text.append(tok.decode([t]), style="green" if ok else "dim")
+        text.append(f"\n[canvas {event.canvas_index + 1}, step {event.step}]", style="cyan")
+        return text
+
+    t0 = time.perf_counter()
+    result = _stream_view(
+        screen, render, stream(model, prompt, max_new_tokens=2 * model.config.canvas_length, seed=seed)
+    )
+    seconds = time.perf_counter() - t0
+    screen.print(Text(GENERATE_PROMPT, style="bold") + Text(tok.decode(result.tokens[0])))
+    s = result.stats
+    return Part("generate", len(result.tokens[0]), sum(s.steps_per_canvas[0]), s.decoder_forward_passes[0], seconds)
+
+
+def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
+    from rich.text import Text
+
+    from .editing import infill
+
+    screen.title("2. Infilling: the middle, with both sides in view")
+    screen.print(Text(INFILL_PREFIX) + Text("<fill>", style="reverse") + Text(INFILL_SUFFIX), end="")
+    t0 = time.perf_counter()
+    r = infill(model, INFILL_PREFIX, INFILL_SUFFIX, tokenizer=tok, seed=seed)
+    seconds = time.perf_counter() - t0
+    screen.print("->")
+    screen.print(Text(INFILL_PREFIX) + Text(r.middle_text, style="bold green") + Text(INFILL_SUFFIX), end="")
+    s = r.result.stats
+    row = list(r.scores).index(r.middle_length) if r.scores else 0  # the row of the chosen middle length
+    return Part("infill", len(r.middle), s.steps_per_canvas[row][0], s.decoder_forward_passes[row], seconds)
+
+
+def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
+    from rich.text import Text
+
+    from .editing import edit
+
+    screen.title("3. Editing: one span rewritten, the rest kept")
+    before, span, after = (tok.encode(x, add_special_tokens=False) for x in (EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER))
+    ids = before + span + after
+    screen.print(Text(EDIT_BEFORE) + Text(EDIT_SPAN, style="reverse") + Text(EDIT_AFTER), end="")
+    t0 = time.perf_counter()
+    r = edit(model, ids, (len(before), len(before) + len(span)), tokenizer=tok, seed=seed)
+    seconds = time.perf_counter() - t0
+    screen.print("->")
+    screen.print(Text(EDIT_BEFORE) + Text(r.middle_text, style="bold green") + Text(EDIT_AFTER), end="")
+    s = r.result.stats
+    return Part("edit", len(r.middle), s.steps_per_canvas[0][0], s.decoder_forward_passes[0], seconds)
+
+
+def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int) -> Part:
+    import torch
+    from rich.text import Text
+
+    from .generate import stream
+    from .tasks import sudoku
+
+    screen.title("4. A Sudoku solved by the Sudoku model")
+    model, tok = sudoku.load_model(model_dir)
+    puzzle = sudoku.generate_level("easy", seed).puzzle
+
+    def render(event) -> Text:
+        grid = sudoku.decode_grid(tok, event.drafts[0].tolist())
+        accepted = event.accepted[0].tolist()
+        text = Text()
+        for r in range(9):
+            for c in range(9):
+                i = r * 9 + c
+                style = "bold" if puzzle[i] != sudoku.BLANK else ("green" if accepted[i] else "dim")
+                text.append(grid[i] + " ", style=style)
+                if c in (2, 5):
+                    text.append("| ")
+            text.append("\n")
+            if r in (2, 5):
+                text.append("------+-------+------\n")
+        text.append(f"step {event.step}", style="cyan")
+        return text
+
+    pins = torch.tensor([[-1 if t is None else t for t in sudoku.template(tok, puzzle)]])
+    t0 = time.perf_counter()
+    events = stream(model, sudoku.prompt_ids(tok, puzzle), pins=pins, max_new_tokens=81, stop_token_ids=[], seed=seed)
+    result = _stream_view(screen, render, events)
+    seconds = time.perf_counter() - t0
+    grid = sudoku.decode_grid(tok, result.tokens[0])
+    left, right = sudoku.pretty(puzzle).splitlines(), sudoku.pretty(grid).splitlines()
+    screen.print("puzzle                     the model's grid")
+    for a, b in zip(left, right, strict=True):
+        screen.print(f"{a:26s} {b}")
+    ok = sudoku.is_solution(grid, puzzle)
+    screen.print("solved: a valid grid, every clue kept" if ok else "not solved: the grid breaks a rule")
+    s = result.stats
+    blanks = puzzle.count(sudoku.BLANK)
+    return Part("sudoku", blanks, s.steps_per_canvas[0][0], s.decoder_forward_passes[0], seconds)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the tour; return 0."""
+    import torch
+
+    from .fast import accelerate
+    from .tokenizer import Tokenizer
+    from .weights import load
+
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    screen = Screen(live=False if args.plain else None)
+    directory = args.model or CODE_MODEL_DIR
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"no code model in {directory}; train one with recipes/code-small.yaml or give --model")
+    model, tok = load(directory), Tokenizer.from_dir(directory)
+    accelerate(model)
+    screen.print(
+        f"dgemma demo: code model {directory.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+        f"parameters, canvas {model.config.canvas_length}), on {torch.get_num_threads()} CPU threads"
+    )
+    parts = [
+        _code_part(screen, model, tok, args.seed),
+        _infill_part(screen, model, tok, args.seed),
+        _edit_part(screen, model, tok, args.seed),
+    ]
+    if not args.no_sudoku:
+        parts.append(_sudoku_part(screen, args.sudoku_model, args.seed))
+    screen.title("Statistics")
+    screen.print(f"{'part':10s} {'tokens':>7s} {'steps':>6s} {'tok/forward':>12s} {'tok/s':>8s} {'seconds':>8s}")
+    for p in parts:
+        screen.print(
+            f"{p.name:10s} {p.tokens:7d} {p.steps:6d} {p.tokens / max(p.forwards, 1):12.2f} "
+            f"{p.tokens / max(p.seconds, 1e-9):8.1f} {p.seconds:8.2f}"
+        )
+    screen.print(f"total {time.perf_counter() - t_start:.1f} s (an autoregressive model needs one forward per token)")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser(
+        "demo",
+        help="a one-minute tour on the shipped models (no download, no GPU)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("--model", type=Path, default=None, help="code model directory (default: the shipped one)")
+    s.add_argument("--sudoku-model", type=Path, default=None, help="Sudoku model directory (default: shipped)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    s.add_argument("--plain", action="store_true", help="plain text snapshots even in a terminal")
+    s.add_argument("--no-sudoku", action="store_true", help="skip the Sudoku part")
+    s.set_defaults(func=cmd_demo)

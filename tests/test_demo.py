@@ -1,0 +1,48 @@
+"""`dgemma demo` runs non-interactively: plain text (no escape codes), every part, the statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+import dgemma
+from dgemma.cli import main
+from dgemma.cli_demo import CODE_MODEL_DIR
+from dgemma.tasks import sudoku
+from dgemma.testing import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A random code model (BPE tokenizer, canvas 16) and a random Sudoku-format model."""
+    root = tmp_path_factory.mktemp("demo")
+    config = dgemma.preset("tiny")
+    config.canvas_length = 16
+    dgemma.save(dgemma.build(config, seed=0), root / "code")
+    make_tokenizer(512).save(root / "code")
+    config = dgemma.preset("tiny")
+    config.text_config.vocab_size, config.canvas_length = 15, 81
+    dgemma.save(dgemma.build(config, seed=0), root / "sudoku")
+    sudoku.make_tokenizer().save(root / "sudoku")
+    return root
+
+
+def test_demo_plain_output(models, capsys):
+    assert main(["demo", "--model", str(models / "code"), "--sudoku-model", str(models / "sudoku")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out  # not a terminal: no escape codes
+    for part in ("1. A canvas", "2. Infilling", "3. Editing", "4. A Sudoku", "Statistics"):
+        assert part in out
+    assert "-- canvas 1, step 1 --" in out  # snapshots of the denoising
+    stats = out.split("== Statistics ==")[1]
+    assert all(name in stats for name in ("generate", "infill", "edit", "sudoku"))
+
+
+def test_demo_without_a_code_model_says_what_to_do(tmp_path, capsys):
+    assert main(["demo", "--model", str(tmp_path)]) != 0
+    assert "no code model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (CODE_MODEL_DIR / "config.json").is_file(), reason="the code model is not shipped yet")
+def test_demo_on_the_shipped_models(capsys):
+    assert main(["demo"]) == 0
+    assert "Statistics" in capsys.readouterr().out
