@@ -151,6 +151,19 @@ def test_sudoku_cli_missing_model(tmp_path, capsys):
     assert "no Sudoku model" in capsys.readouterr().err
 
 
+def test_shipped_model_solves_easy_puzzles(capsys):
+    """The model inside the package (no download): `dgemma sudoku` with no --model solves easy puzzles."""
+    assert (sudoku.MODEL_DIR / "model.safetensors").is_file()
+    solved = 0
+    for seed in range(4):
+        code = main(["sudoku", "--level", "easy", "--seed", str(seed), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert out["clues_kept"] and len(out["solution"]) == 81 and code == (0 if out["solved"] else 1)
+        assert out["solved"] == sudoku.is_solution(out["solution"], out["puzzle"])
+        solved += out["solved"]
+    assert solved >= 2  # about 80% of easy puzzles on the validation split
+
+
 def test_chat_records_round_trip():
     record = sudoku.chat_record(PUZZLE, SOLUTION)
     system, user, reply = record["messages"]
