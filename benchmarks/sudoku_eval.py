@@ -8,8 +8,8 @@ PNG plot (solve rate vs steps per puzzle, with the AR twin) and ends with one JS
 
     python benchmarks/sudoku_eval.py [--model DIR] [--ar-model DIR] [--data recipes/data/sudoku/test.jsonl]
 
-By default: the model shipped inside dgemma, the AR twin in dgemma/models/sudoku-ar (if present), and the
-test split made by recipes/sudoku_data.py.
+By default: the model shipped inside dgemma, the AR twin in models/sudoku-ar (if present; it is kept
+out of the package), and the test split made by recipes/sudoku_data.py.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def evaluate(name: str, solve, puzzles: list[dict], batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None, help="diffusion model (default: the shipped one)")
-    parser.add_argument("--ar-model", type=Path, default=ROOT / "dgemma" / "models" / "sudoku-ar")
+    parser.add_argument("--ar-model", type=Path, default=ROOT / "models" / "sudoku-ar")
     parser.add_argument("--data", type=Path, default=ROOT / "recipes" / "data" / "sudoku" / "test.jsonl")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N puzzles only")
     parser.add_argument("--batch", type=int, default=100)
