@@ -141,8 +141,8 @@ def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
 
 def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int) -> Part:
     import torch
-    from rich.text import Text
 
+    from .cli_tasks import grid_text
     from .generate import stream
     from .tasks import sudoku
 
@@ -150,22 +150,8 @@ def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int) -> Part:
     model, tok = sudoku.load_model(model_dir)
     puzzle = sudoku.generate_level("easy", seed).puzzle
 
-    def render(event) -> Text:
-        grid = sudoku.decode_grid(tok, event.drafts[0].tolist())
-        accepted = event.accepted[0].tolist()
-        text = Text()
-        for r in range(9):
-            for c in range(9):
-                i = r * 9 + c
-                style = "bold" if puzzle[i] != sudoku.BLANK else ("green" if accepted[i] else "dim")
-                text.append(grid[i] + " ", style=style)
-                if c in (2, 5):
-                    text.append("| ")
-            text.append("\n")
-            if r in (2, 5):
-                text.append("------+-------+------\n")
-        text.append(f"step {event.step}", style="cyan")
-        return text
+    def render(event):
+        return grid_text(tok, puzzle, event)
 
     pins = torch.tensor([[-1 if t is None else t for t in sudoku.template(tok, puzzle)]])
     t0 = time.perf_counter()

@@ -20,35 +20,36 @@ def _read_puzzle(args: argparse.Namespace) -> str:
     return sudoku.generate_level(args.level, args.seed if args.seed is not None else int(time.time())).puzzle
 
 
-def _live_grid(tokenizer, puzzle: str):
-    """Shows the grid as the canvas denoises (rich): clues bold, cells accepted this step green."""
-    from rich.console import Console
-    from rich.live import Live
+def grid_text(tokenizer, puzzle: str, event):
+    """One draft of a Sudoku canvas as rich Text: clues bold, cells accepted this step green, the rest dim."""
     from rich.text import Text
 
     from .tasks import sudoku
 
-    console = Console(stderr=True)
-    live = Live(console=console, refresh_per_second=20)
+    grid = sudoku.decode_grid(tokenizer, event.drafts[0].tolist())
+    accepted = event.accepted[0].tolist()
+    text = Text()
+    for r in range(9):
+        for c in range(9):
+            i = r * 9 + c
+            style = "bold" if puzzle[i] != sudoku.BLANK else ("green" if accepted[i] else "dim")
+            text.append(("." if grid[i] == sudoku.BLANK else grid[i]) + " ", style=style)
+            if c in (2, 5):
+                text.append("| ")
+        text.append("\n")
+        if r in (2, 5):
+            text.append("------+-------+------\n")
+    text.append(f"step {event.step}", style="cyan")
+    return text
 
-    def show(event) -> None:
-        ids, accepted = event.drafts[0].tolist(), event.accepted[0].tolist()
-        grid = sudoku.decode_grid(tokenizer, ids)
-        text = Text()
-        for r in range(9):
-            for c in range(9):
-                i = r * 9 + c
-                style = "bold" if puzzle[i] != sudoku.BLANK else ("green" if accepted[i] else "dim")
-                text.append(("." if grid[i] == sudoku.BLANK else grid[i]) + " ", style=style)
-                if c in (2, 5):
-                    text.append("| ")
-            text.append("\n")
-            if r in (2, 5):
-                text.append("------+-------+------\n")
-        text.append(f"step {event.step}", style="cyan")
-        live.update(text)
 
-    return live, show
+def _live_grid(tokenizer, puzzle: str):
+    """Shows the grid as the canvas denoises (rich), redrawn in place."""
+    from rich.console import Console
+    from rich.live import Live
+
+    live = Live(console=Console(stderr=True), refresh_per_second=20)
+    return live, lambda event: live.update(grid_text(tokenizer, puzzle, event))
 
 
 def cmd_sudoku(args: argparse.Namespace) -> int:

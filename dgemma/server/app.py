@@ -53,6 +53,15 @@ class _Sink:
         return await self.queue.get()
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The OpenAI usage block."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 def create_app(
     model,
     tokenizer,
@@ -306,11 +315,7 @@ def create_app(
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt) + completion_tokens,
-            },
+            "usage": _usage(len(prompt), completion_tokens),
             "dgemma": {
                 "steps_per_canvas": [r.stats.steps_per_canvas[0] for r in results],
                 "tokens_per_forward": [round(r.stats.tokens_per_forward[0], 3) for r in results],
@@ -381,18 +386,13 @@ def create_app(
                         continue
                     pending[i] = asyncio.ensure_future(requests[i].events.get())
             if body.stream_options and body.stream_options.include_usage:
-                usage = {
-                    "prompt_tokens": prompt_len,
-                    "completion_tokens": completion,
-                    "total_tokens": prompt_len + completion,
-                }
                 last = {
                     "id": cid,
                     "object": "chat.completion.chunk",
                     "created": created,
                     "model": model_name,
                     "choices": [],
-                    "usage": usage,
+                    "usage": _usage(prompt_len, completion),
                 }
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
@@ -459,11 +459,7 @@ def create_app(
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt) + completion_tokens,
-            },
+            "usage": _usage(len(prompt), completion_tokens),
         }
 
     async def stream_completion(http: Request, requests: list[EngineRequest], body: CompletionRequest, prompt_len: int):

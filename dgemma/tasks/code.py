@@ -74,7 +74,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     return make_tokenizer(vocab_size, corpus=texts)
 
 
-def _windows(ids: list[int], rng: random.Random, context: int, canvas: int, count: int) -> Iterator[tuple[int, int]]:
+def _windows(ids: list[int], rng: random.Random, context: int, count: int) -> Iterator[tuple[int, int]]:
     """(start of the prompt, start of the canvas) pairs inside one file."""
     if len(ids) < 2:
         return
@@ -89,7 +89,7 @@ def records_for_file(
     """Training records drawn from one tokenised file: about one per `per_tokens` tokens, half of them
     continuations and half infilling canvases."""
     count = max(1, len(ids) // per_tokens)
-    for start, cut in _windows(ids, rng, context, canvas, count):
+    for start, cut in _windows(ids, rng, context, count):
         prompt = ids[start:cut]
         if rng.random() < 0.5:
             completion = ids[cut : cut + canvas]
