@@ -16,7 +16,7 @@ Prints a table, writes a PNG plot, ends with one JSON line.
 
     python benchmarks/code_eval.py [--model DIR] [--ar-model DIR] [--spans 40] [--snippets 30]
 
-By default: the shipped code model (dgemma/models/code) and its twin (dgemma/models/code-ar).
+By default: the shipped code model (dgemma/models/code) and its AR twin (models/code-ar, beside the package).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def continuation_cases(files: list[dict], rng: random.Random, n: int) -> list[tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "dgemma" / "models" / "code")
-    ap.add_argument("--ar-model", type=Path, default=ROOT / "dgemma" / "models" / "code-ar")
+    ap.add_argument("--ar-model", type=Path, default=ROOT / "models" / "code-ar")
     ap.add_argument("--data", type=Path, default=ROOT / "recipes" / "data" / "code" / "test.jsonl")
     ap.add_argument("--spans", type=int, default=40, help="spans per kind (default 40)")
     ap.add_argument("--snippets", type=int, default=30, help="continuation prompts (default 30)")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CODE_MODEL_DIR = Path(__file__).resolve().parent / "models" / "code"
+from .tasks.code import MODEL_DIR as CODE_MODEL_DIR
 
 GENERATE_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
 INFILL_PREFIX = "def mean(values):\n    total = "

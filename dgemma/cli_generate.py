@@ -33,8 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--model",
         "-m",
         type=Path,
-        required=True,
-        help="checkpoint directory (config.json, model.safetensors, tokenizer.json)",
+        default=None,
+        help="checkpoint directory (config.json, model.safetensors, tokenizer.json); default: the small "
+        "code model shipped inside dgemma (trained on the Python standard library)",
     )
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="weight dtype (auto: as stored)"
@@ -95,6 +96,17 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     from .tokenizer import Tokenizer
     from .weights import load
 
+    if args.model is None:
+        from .tasks.code import MODEL_DIR
+
+        args.model = MODEL_DIR
+        print(
+            f"dgemma: no --model given, using the shipped code model ({MODEL_DIR}; a small model trained "
+            "on the Python standard library, not a chat model)",
+            file=sys.stderr,
+        )
+        if not (MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped code model is missing from {MODEL_DIR}; reinstall dgemma")
     directory = args.model
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {directory} does not exist")
@@ -295,6 +307,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
     suffix = Path(args.suffix_file).read_text() if args.suffix_file else args.suffix
     if prefix is None or suffix is None:
         raise ValueError("give the prefix (--prefix or --prefix-file) and the suffix (--suffix or --suffix-file)")
+    if args.max_new_tokens is not None:
+        raise ValueError("the middle's length is set with --middle-length N (or auto), not --max-new-tokens")
     model, tokenizer = load_model_and_tokenizer(args)
     length = args.middle_length
     middle_length = "auto" if length == "auto" else int(length)

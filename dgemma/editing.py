@@ -93,6 +93,11 @@ def fill(
     if len(prompts) != len(batch):
         raise ValueError(f"{len(prompts)} prompts for {len(batch)} templates")
     prompts = [_start_prompt(model, _check_ids(list(p), vocab, "prompt")) for p in prompts]
+    if "max_new_tokens" in overrides:
+        raise ValueError(
+            "max_new_tokens does not apply here: the template's length (for infill, the middle length) "
+            "decides how many tokens are generated"
+        )
     overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
     return generate(model, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
 

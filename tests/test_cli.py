@@ -137,3 +137,30 @@ def test_help_is_complete(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "--show-canvas" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "infill"])
+def test_without_model_the_shipped_code_model_is_used_and_named_once(
+    ckpt_with_tokenizer, capsys, monkeypatch, command
+):
+    import dgemma.tasks.code
+
+    monkeypatch.setattr(dgemma.tasks.code, "MODEL_DIR", ckpt_with_tokenizer)
+    args = ["-p", "def f(x):", "--max-new-tokens", "4"] if command == "generate" else ["--prefix", "a", "--suffix", "b"]
+    assert main([command, *args, *FAST]) == 0
+    err = capsys.readouterr().err
+    assert err.count("using the shipped code model") == 1 and str(ckpt_with_tokenizer) in err
+
+
+def test_serve_defaults_to_the_shipped_code_model(tmp_path, monkeypatch, capsys):
+    import dgemma.tasks.code
+
+    monkeypatch.setattr(dgemma.tasks.code, "MODEL_DIR", tmp_path / "missing")
+    assert main(["serve"]) != 0  # no model given and none shipped: a clear error, not a traceback
+    err = capsys.readouterr().err
+    assert "using the shipped code model" in err and "missing" in err
+
+
+def test_infill_rejects_max_new_tokens(ckpt_with_tokenizer, capsys):
+    assert _cli("infill", ckpt_with_tokenizer, "--prefix", "a", "--suffix", "b", "--max-new-tokens", "4") == 2
+    assert "--middle-length" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "validation", "test")
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "code"  # the shipped model
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
 
