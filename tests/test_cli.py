@@ -140,9 +140,7 @@ def test_help_is_complete(capsys):
 
 
 @pytest.mark.parametrize("command", ["generate", "infill"])
-def test_without_model_the_shipped_code_model_is_used_and_named_once(
-    ckpt_with_tokenizer, capsys, monkeypatch, command
-):
+def test_without_model_the_shipped_code_model_is_used_and_named_once(ckpt_with_tokenizer, capsys, monkeypatch, command):
     import dgemma.tasks.code
 
     monkeypatch.setattr(dgemma.tasks.code, "MODEL_DIR", ckpt_with_tokenizer)
