@@ -1,0 +1,147 @@
+"""Quantized stand-ins for nn.Linear and the stacked experts, swapped in from outside the model.
+
+Both keep the codes under the weight's own name (`weight`, `gate_up_proj`, `down_proj`) and the scales
+beside it (`weight_scale`, ...), so a quantized model's state dict has the checkpoint's names plus
+`*_scale` entries. The forward passes dequantize one tile of output rows (or one expert) at a time into
+the activation dtype and multiply: no dequantized copy of a whole layer outlives the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import Experts, gelu_tanh
+from .formats import Quantized, check_mode, dequantize, quantize
+
+TILE_ELEMENTS = 1 << 22  # dequantized elements per tile (16 MB in fp32)
+
+
+def _empty_codes(mode: str, shape: tuple[int, ...], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-filled codes and scales of the right dtypes and shapes for a weight of `shape`."""
+    *lead, n_out, n_in = shape
+    if mode == "int4":
+        return (
+            torch.zeros(*lead, n_out, n_in // 2, dtype=torch.uint8),
+            torch.zeros(*lead, n_out, n_in // group_size),
+        )
+    dtype = torch.int8 if mode == "int8" else torch.float8_e4m3fn
+    return torch.zeros(*shape, dtype=dtype), torch.zeros(*lead, n_out, 1)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T with W stored quantized (`mode`: int8, int4 or fp8); no bias (DiffusionGemma has none)."""
+
+    def __init__(self, in_features: int, out_features: int, mode: str, group_size: int = 64):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.mode, self.group_size = check_mode(mode), group_size
+        codes, scales = _empty_codes(mode, (out_features, in_features), group_size)
+        self.register_buffer("weight", codes)
+        self.register_buffer("weight_scale", scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 64) -> QuantLinear:
+        if linear.bias is not None:
+            raise ValueError("QuantLinear has no bias; DiffusionGemma's linear layers have none")
+        module = cls(linear.in_features, linear.out_features, mode, group_size)
+        module.set_weight(linear.weight.detach())
+        return module
+
+    def set_weight(self, w: torch.Tensor) -> None:
+        """Quantize `w` [out, in] into this module's buffers."""
+        q = quantize(w, self.mode, self.group_size)
+        self.weight = q.codes.to(self.weight.device)
+        self.weight_scale = q.scales.to(self.weight.device)
+
+    def quantized(self) -> Quantized:
+        return Quantized(
+            self.mode, self.weight, self.weight_scale, (self.out_features, self.in_features), self.group_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantized()
+        tile = max(1, TILE_ELEMENTS // self.in_features)
+        if tile >= self.out_features:
+            return F.linear(x, dequantize(q, x.dtype))
+        return torch.cat(
+            [
+                F.linear(x, dequantize(q, x.dtype, rows=slice(start, start + tile)))
+                for start in range(0, self.out_features, tile)
+            ],
+            dim=-1,
+        )
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}"
+
+
+class QuantExperts(nn.Module):
+    """The stacked GeGLU experts (gate_up_proj [E, 2I, M], down_proj [E, M, I]) stored quantized.
+
+    Token-expert pairs are sorted by expert, and each expert that any token chose is dequantized once
+    per call (one read of its codes), used for all its tokens, and dropped.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, mode: str, group_size: int = 64):
+        super().__init__()
+        self.mode, self.group_size = check_mode(mode), group_size
+        self.shapes = {
+            "gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
+            "down_proj": (num_experts, hidden_size, intermediate_size),
+        }
+        for name, shape in self.shapes.items():
+            codes, scales = _empty_codes(mode, shape, group_size)
+            self.register_buffer(name, codes)
+            self.register_buffer(name + "_scale", scales)
+
+    @classmethod
+    def from_experts(cls, experts: Experts, mode: str, group_size: int = 64) -> QuantExperts:
+        e, two_i, m = experts.gate_up_proj.shape
+        module = cls(e, m, two_i // 2, mode, group_size)
+        module.set_weight("gate_up_proj", experts.gate_up_proj.detach())
+        module.set_weight("down_proj", experts.down_proj.detach())
+        return module
+
+    def set_weight(self, name: str, w: torch.Tensor) -> None:
+        """Quantize the stacked weight `name` (expert by expert, so only one is ever in fp32)."""
+        if tuple(w.shape) != self.shapes[name]:
+            raise ValueError(f"{name}: expected shape {self.shapes[name]}, got {tuple(w.shape)}")
+        codes, scales = getattr(self, name), getattr(self, name + "_scale")
+        for e in range(w.shape[0]):
+            q = quantize(w[e], self.mode, self.group_size)
+            codes[e].copy_(q.codes)
+            scales[e].copy_(q.scales)
+
+    def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s dequantized weight `name`."""
+        shape = self.shapes[name][1:]
+        q = Quantized(self.mode, getattr(self, name)[e], getattr(self, name + "_scale")[e], shape, self.group_size)
+        return dequantize(q, dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        n, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.shapes["gate_up_proj"][0]).tolist()
+        xs = x[order // k]
+        out = torch.empty(n * k, x.shape[-1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate, up = F.linear(xs[rows], self.expert("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+            out[rows] = F.linear(gelu_tanh(gate) * up, self.expert("down_proj", e, x.dtype)).float()
+            start += count
+        out *= weights.reshape(-1)[order, None]
+        slots = torch.empty_like(out)
+        slots[order] = out
+        return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        e, two_i, m = self.shapes["gate_up_proj"]
+        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"experts={e}, hidden={m}, intermediate={two_i // 2}, mode={self.mode}{group}"

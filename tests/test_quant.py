@@ -1,0 +1,111 @@
+"""Weight-only quantization: format round trips, quantized matmuls against the dequantized reference,
+and a quantized model against the full-precision one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dgemma
+from dgemma.quant import QuantExperts, QuantLinear, dequantize, quantize, quantize_model, targets
+from dgemma.quant.formats import pack_int4, unpack_int4
+
+
+def test_int4_packing_round_trip():
+    codes = torch.arange(-8, 8).repeat(3, 2)  # every code, [3, 32]
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert torch.equal(unpack_int4(packed), codes.to(torch.int8))
+
+
+@pytest.mark.parametrize(("mode", "bound"), [("int8", 0.5 / 127), ("int4", 0.5 / 7.5), ("fp8", 1 / 16)])
+def test_round_trip_error_is_bounded(mode, bound):
+    torch.manual_seed(0)
+    w = torch.randn(2, 48, 128)  # a stack, as the experts are
+    q = quantize(w, mode, group_size=32)
+    back = dequantize(q)
+    assert back.shape == w.shape
+    if mode == "int4":  # half a step of each group's scale
+        ref = w.reshape(2, 48, 4, 32).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 32).reshape(w.shape)
+    else:  # int8: half a step of the row's scale; fp8: 3 mantissa bits, relative to the row's max
+        ref = w.abs().amax(-1, keepdim=True)
+    err = (back - w).abs() / ref
+    assert err.max() <= bound * 1.0001, err.max()
+
+
+def test_int4_is_half_a_byte_per_weight():
+    q = quantize(torch.randn(64, 256), "int4", group_size=64)
+    assert q.codes.nbytes == 64 * 256 // 2 and q.scales.shape == (64, 4)
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        quantize(torch.randn(4, 8), "int3")
+    with pytest.raises(ValueError, match="group_size"):
+        quantize(torch.randn(4, 96), "int4", group_size=64)
+    with pytest.raises(ValueError, match="matrices"):
+        quantize(torch.randn(8), "int8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quant_linear_equals_the_dequantized_reference(mode, monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    x = torch.randn(5, 7, 64)
+    q = QuantLinear.from_linear(linear, mode, group_size=32)
+    reference = F.linear(x, dequantize(q.quantized()))
+    torch.testing.assert_close(q(x), reference, rtol=0, atol=0)
+    monkeypatch.setattr("dgemma.quant.modules.TILE_ELEMENTS", 64 * 10)  # tiles of 10 rows
+    torch.testing.assert_close(q(x), reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quant_experts_equal_the_reference_on_dequantized_weights(mode):
+    config = dgemma.preset("tiny")
+    model = dgemma.build(config, seed=0)
+    experts = model.layers[0].experts
+    q = QuantExperts.from_experts(experts, mode, group_size=16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.stack([q.expert("gate_up_proj", e, torch.float32) for e in range(4)]))
+        experts.down_proj.copy_(torch.stack([q.expert("down_proj", e, torch.float32) for e in range(4)]))
+        x = torch.randn(9, config.text_config.hidden_size)
+        weights, index = model.layers[0].router(x)
+        torch.testing.assert_close(q(x, weights, index), experts(x, weights, index), rtol=1e-5, atol=1e-6)
+
+
+def test_policy_keeps_router_norms_embeddings_and_self_conditioning():
+    model = dgemma.build(dgemma.preset("tiny"), seed=0)
+    names = targets(model)
+    assert "layers.0.self_attn.q_proj" in names and "layers.0.experts" in names and "layers.0.mlp.down_proj" in names
+    assert not any("router" in n or "embed" in n or n.startswith("self_conditioning") for n in names)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quantized_model_equals_the_model_with_dequantized_weights(mode):
+    """The swap is exact: a quantized model computes what the full model computes with the rounded weights.
+    (How far rounding moves a *trained* model's outputs is measured by benchmarks, not here: random tiny
+    models amplify any weight noise.)"""
+    config = dgemma.preset("tiny")
+    quantized = quantize_model(dgemma.build(config, seed=0), mode, group_size=16)
+    reference = dgemma.build(config, seed=0)
+    with torch.no_grad():
+        for name in targets(reference):
+            module, q = reference.get_submodule(name), quantized.get_submodule(name)
+            if isinstance(q, QuantExperts):
+                for w in ("gate_up_proj", "down_proj"):
+                    getattr(module, w).copy_(torch.stack([q.expert(w, e, torch.float32) for e in range(4)]))
+            else:
+                module.weight.copy_(dequantize(q.quantized()))
+    ids = torch.randint(0, config.text_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    canvas = torch.randint(0, config.text_config.vocab_size, (2, config.canvas_length))
+
+    def logits(m):
+        cache = m.new_cache(batch_size=2, max_length=32)
+        m.encode(ids, cache)
+        return m.denoise(canvas, cache)
+
+    with torch.no_grad():
+        torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-5)
+    assert isinstance(quantized.layers[0].self_attn.q_proj, QuantLinear)
+    assert quantized.quantization == {"mode": mode, "group_size": 16 if mode == "int4" else None}
