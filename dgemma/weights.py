@@ -161,8 +161,15 @@ def load(
     device: torch.device | str = "cpu",
     verify_tied: bool = True,
     progress: bool = False,
+    quant: str | None = None,
+    group_size: int = 64,
 ) -> DiffusionGemma:
     """Load a Hugging Face-format DiffusionGemma checkpoint directory into a dgemma model.
+
+    With `quant` ('int8', 'int4' or 'fp8'; `group_size` for int4) the policy's layers (dgemma.quant) are
+    quantized as they are read, tensor by tensor (the stacked experts expert by expert), so the full
+    precision model is never in memory. A checkpoint written from a quantized model (`config.json` has
+    a `quantization` block) loads quantized as stored.
 
     The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
     so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
@@ -176,8 +183,17 @@ def load(
     source = _TensorSource(files)
     primary, tied, vision, unknown = _map_names(source.names())
 
+    stored = _stored_quantization(directory)
+    if stored and quant and quant != stored["mode"]:
+        raise ValueError(f"{directory} is already quantized as {stored['mode']}; it cannot load as {quant}")
+    if quant:
+        from .quant import check_mode
+
+        check_mode(quant)
     with torch.device("meta"):
         model = DiffusionGemma(config)
+        if stored:
+            _swap_quantized(model, stored["mode"], stored.get("group_size") or 64)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
     missing = sorted(set(expected) - set(primary))
@@ -214,12 +230,31 @@ def load(
         target = source.get(primary["embed_tokens.weight"]).dtype
         if target not in _DTYPE_NAMES:
             target = torch.float32
+    quantized_names: set[str] = set()
+    if quant and not stored:
+        with torch.device("meta"):
+            quantized_names = _swap_quantized(model, quant, group_size)
+    elif stored:
+        quantized_names = {n for n in expected if _is_quantized_tensor(model, n)}
     state = {}
     report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     for ours, hf in primary.items():
-        state[ours] = source.get(hf).to(device=device, dtype=target)
+        if ours in quantized_names and not stored:  # quantize on load
+            module_name, _, weight = ours.rpartition(".")
+            module = model.get_submodule(module_name)
+            tensor = source.get(hf)
+            for key, t in _quantize_tensor(module, module_name, weight, tensor).items():
+                state[key] = t.to(device)
+            nbytes = tensor.nbytes
+            del tensor
+        elif ours in quantized_names:  # stored codes and fp32 scales: as they are
+            state[ours] = source.get(hf).to(device=device)
+            nbytes = state[ours].nbytes
+        else:
+            state[ours] = source.get(hf).to(device=device, dtype=target)
+            nbytes = state[ours].nbytes
         if report:
-            report.step(state[ours].nbytes)
+            report.step(nbytes)
     if report:
         report.done()
     if verify_tied:
@@ -230,9 +265,60 @@ def load(
                     "DiffusionGemma shares these weights between encoder and decoder"
                 )
     model.load_state_dict(state, strict=True, assign=True)
+    if stored or quant:
+        from .quant import describe
+
+        model.quantization = describe(
+            stored["mode"] if stored else quant, stored.get("group_size") if stored else group_size
+        )
     model.generation_config = GenerationConfig.from_file(directory)
     model.eval()
     return model
+
+
+def _stored_quantization(directory: Path) -> dict | None:
+    """The `quantization` block of a checkpoint's config.json (written by `save` for quantized models)."""
+    path = directory / "config.json" if directory.is_dir() else directory.parent / "config.json"
+    block = json.loads(path.read_text()).get("quantization") if path.is_file() else None
+    if block is None:
+        return None
+    if not isinstance(block, dict) or block.get("quant_method") != "dgemma" or "mode" not in block:
+        raise ValueError(f"{path}: a 'quantization' block must be one written by dgemma (got {block!r})")
+    from .quant import check_mode
+
+    check_mode(block["mode"])
+    return block
+
+
+def _swap_quantized(model: DiffusionGemma, mode: str, group_size: int) -> set[str]:
+    """Swap the policy's modules for quantized ones; returns the names of the weights they now hold."""
+    from .quant import quantized_weight_names, swap_modules
+
+    swap_modules(model, mode, group_size, empty=True)
+    return quantized_weight_names(model)
+
+
+def _is_quantized_tensor(model: DiffusionGemma, name: str) -> bool:
+    from .quant import QuantExperts, QuantLinear
+
+    module_name = name.rpartition(".")[0]
+    return isinstance(model.get_submodule(module_name), QuantLinear | QuantExperts)
+
+
+def _quantize_tensor(module, module_name: str, weight: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quantize a checkpoint tensor for `module` (a QuantLinear or QuantExperts built on meta, named
+    `module_name` in the model): the codes and the scales under their state-dict names."""
+    from .quant import QuantExperts, quantize
+
+    prefix = module_name + "."
+    if isinstance(module, QuantExperts):
+        parts = [quantize(tensor[e], module.mode, module.group_size) for e in range(tensor.shape[0])]
+        codes = torch.stack([q.codes for q in parts])
+        scales = torch.stack([q.scales for q in parts])
+    else:
+        q = quantize(tensor, module.mode, module.group_size)
+        codes, scales = q.codes, q.scales
+    return {f"{prefix}{weight}": codes, f"{prefix}{weight}_scale": scales}
 
 
 class _Progress:
@@ -347,5 +433,7 @@ def save(
         _atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
     config = model.config.to_dict()
     config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
+    if getattr(model, "quantization", None):
+        config["quantization"] = model.quantization
     _atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
     return out

@@ -108,4 +108,53 @@ def test_quantized_model_equals_the_model_with_dequantized_weights(mode):
     with torch.no_grad():
         torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-5)
     assert isinstance(quantized.layers[0].self_attn.q_proj, QuantLinear)
-    assert quantized.quantization == {"mode": mode, "group_size": 16 if mode == "int4" else None}
+    assert quantized.quantization["mode"] == mode and quantized.quantization["group_size"] == (
+        16 if mode == "int4" else None
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny MoE checkpoint in bf16, as the official one is stored."""
+    path = tmp_path_factory.mktemp("quant") / "ckpt"
+    dgemma.save(dgemma.build(dgemma.preset("tiny"), seed=0).to(torch.bfloat16), path)
+    return path
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quantize_on_load_equals_quantize_after_load(checkpoint, mode):
+    on_load = dgemma.load(checkpoint, quant=mode, group_size=16)
+    after = quantize_model(dgemma.load(checkpoint), mode, group_size=16)
+    a, b = _state(on_load), _state(after)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), (
+            name
+        )
+    assert isinstance(on_load.layers[1].experts, QuantExperts)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_saved_quantized_checkpoints_reload_identically(checkpoint, tmp_path, mode):
+    model = dgemma.load(checkpoint, quant=mode, group_size=16)
+    dgemma.save(model, tmp_path / "q")
+    again = dgemma.load(tmp_path / "q")
+    assert again.quantization == model.quantization
+    a, b = _state(model), _state(again)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    size = (tmp_path / "q" / "model.safetensors").stat().st_size
+    assert size < (checkpoint / "model.safetensors").stat().st_size
+
+
+def test_bad_quant_names_are_rejected(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="unknown quantization 'int2'"):
+        dgemma.load(checkpoint, quant="int2")
+    dgemma.save(dgemma.load(checkpoint, quant="int8"), tmp_path / "q8")
+    with pytest.raises(ValueError, match="already quantized as int8"):
+        dgemma.load(tmp_path / "q8", quant="int4")

@@ -29,9 +29,13 @@ __all__ = [
     "QuantExperts",
     "QuantLinear",
     "Quantized",
+    "check_mode",
     "dequantize",
+    "describe",
     "quantize",
     "quantize_model",
+    "quantized_weight_names",
+    "swap_modules",
     "targets",
 ]
 
@@ -48,21 +52,50 @@ def targets(model: DiffusionGemma) -> list[str]:
     return out
 
 
-def quantize_model(model: DiffusionGemma, mode: str, group_size: int = 64) -> DiffusionGemma:
-    """Swap the policy's modules for quantized ones (in place; returns the model)."""
+def describe(mode: str, group_size: int | None) -> dict:
+    """The `quantization` block of config.json (and `model.quantization`)."""
+    return {
+        "quant_method": "dgemma",
+        "mode": mode,
+        "group_size": group_size if mode == "int4" else None,
+        "modules": "layers.*: self_attn.{q,k,v,o}_proj, mlp.*, experts",
+    }
+
+
+def swap_modules(model: DiffusionGemma, mode: str, group_size: int = 64, *, empty: bool = False) -> None:
+    """Replace the policy's modules by quantized ones: quantizing their weights, or (`empty`) with
+    zero-filled codes of the right shapes, to be filled from a checkpoint."""
     check_mode(mode)
     for name in targets(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, child)
         if isinstance(module, Experts):
-            swapped = QuantExperts.from_experts(module, mode, group_size)
+            e, two_i, m = module.gate_up_proj.shape
+            if empty:
+                swapped = QuantExperts(e, m, two_i // 2, mode, group_size)
+            else:
+                swapped = QuantExperts.from_experts(module, mode, group_size).to(module.gate_up_proj.device)
+        elif empty:
+            swapped = QuantLinear(module.in_features, module.out_features, mode, group_size)
         else:
-            swapped = QuantLinear.from_linear(module, mode, group_size)
-        setattr(
-            parent,
-            child,
-            swapped.to(module.gate_up_proj.device if isinstance(module, Experts) else module.weight.device),
-        )
-    model.quantization = {"mode": mode, "group_size": group_size if mode == "int4" else None}
+            swapped = QuantLinear.from_linear(module, mode, group_size).to(module.weight.device)
+        setattr(parent, child, swapped)
+
+
+def quantized_weight_names(model: DiffusionGemma) -> set[str]:
+    """State-dict names of the full-precision weights the quantized modules stand for."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            names.add(f"{name}.weight")
+        elif isinstance(module, QuantExperts):
+            names |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+    return names
+
+
+def quantize_model(model: DiffusionGemma, mode: str, group_size: int = 64) -> DiffusionGemma:
+    """Quantize a loaded model in place (the policy's modules swapped; returns the model)."""
+    swap_modules(model, mode, group_size)
+    model.quantization = describe(mode, group_size)
     return model
