@@ -31,7 +31,7 @@ def test_round_trip_error_is_bounded(mode, bound):
     else:  # int8: half a step of the row's scale; fp8: 3 mantissa bits, relative to the row's max
         ref = w.abs().amax(-1, keepdim=True)
     err = (back - w).abs() / ref
-    assert err.max() <= bound * 1.0001, err.max()
+    assert err.max() <= bound * 1.01, err.max()  # 1%: int4 scales are rounded to bf16
 
 
 def test_int4_is_half_a_byte_per_weight():

@@ -5,8 +5,9 @@ as `[..., out, in]` (nn.Linear and the stacked experts alike), so a scale multip
 one group of one row) and dequantization is a broadcast multiply.
 
 - `int8`: one fp32 scale per output row; codes in [-127, 127] (int8).
-- `int4`: one fp32 scale per group of `group_size` inputs of a row; codes in [-8, 7] stored two per byte
-  (uint8, low nibble first), so a `[out, in]` weight takes `out * in / 2` bytes plus the scales.
+- `int4`: one bf16 scale per group of `group_size` inputs of a row; codes in [-8, 7] stored two per byte
+  (uint8, low nibble first) and read as the midpoints (q + 0.5) * scale, 16 levels symmetric about 0; a
+  `[out, in]` weight takes `out * in / 2` bytes plus the scales.
 - `fp8`: float8_e4m3fn codes with one fp32 scale per output row (max |w| maps to 448).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 MODES = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -26,7 +28,7 @@ class Quantized:
 
     mode: str
     codes: torch.Tensor  # int8 [.., out, in] | uint8 [.., out, in/2] (int4) | float8_e4m3fn [.., out, in]
-    scales: torch.Tensor  # fp32 [.., out, 1] (int8, fp8) | [.., out, in/group_size] (int4)
+    scales: torch.Tensor  # fp32 [.., out, 1] (int8, fp8) | bf16 [.., out, in/group_size] (int4)
     shape: tuple[int, ...]  # the original weight's shape
     group_size: int | None = None
 
@@ -66,23 +68,34 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
     if group_size <= 0 or n_in % group_size or group_size % 2:
         raise ValueError(f"int4 group_size must be even and divide the input size {n_in} (got {group_size})")
     groups = w.reshape(*shape[:-1], n_in // group_size, group_size)
-    scales = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7.5
-    codes = torch.round(groups / scales - 0.5).clamp_(-8, 7).to(torch.int16)  # midpoints: x = (q + 0.5) s
+    # bf16 scales (0.03 bytes per weight at group 64, not 0.06), rounded before the codes are chosen
+    scales = (groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 7.5).to(torch.bfloat16)
+    codes = torch.round(groups / scales.float() - 0.5).clamp_(-8, 7).to(torch.int16)  # x = (q + 0.5) s
     return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Codes in [-8, 7] (any int dtype, even last dimension) -> uint8, two per byte, low nibble first."""
-    u = (codes.to(torch.int16) & 0xF).to(torch.uint8)
+    """Codes in [-8, 7] (any int dtype, even last dimension) -> uint8, two per byte, low nibble first,
+    each stored offset by 8 (0..15), so reading one back is `nibble - 8` with no sign handling."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
     return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_int4: uint8 [..., n/2] -> int8 codes in [-8, 7], [..., n]."""
-    lo = (packed & 0xF).to(torch.int8)
-    hi = (packed >> 4).to(torch.int8)
-    both = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return torch.where(both > 7, both - 16, both)
+    both = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return both.to(torch.int8) - 8
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _int4_table(device: torch.device) -> torch.Tensor:
+    """byte -> (low nibble - 7.5, high nibble - 7.5), fp32 [256, 2]."""
+    if device not in _TABLES:
+        b = torch.arange(256, device=device)
+        _TABLES[device] = torch.stack(((b & 0xF) - 7.5, (b >> 4) - 7.5), dim=-1).float()
+    return _TABLES[device]
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
@@ -90,9 +103,10 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, rows: slice | N
     codes, scales = q.codes, q.scales
     if rows is not None:
         codes, scales = codes[..., rows, :], scales[..., rows, :]
-    if q.mode == "int4":
-        c = unpack_int4(codes).float()
+    if q.mode == "int4":  # value = (q + 0.5) * scale = (nibble - 7.5) * scale
+        # one table lookup per byte gives both of its values (2x faster on CPU than shifting and masking)
+        c = F.embedding(codes.int(), _int4_table(codes.device))  # [..., n/2, 2]
         g = q.group_size
-        c = c.reshape(*c.shape[:-1], c.shape[-1] // g, g)
-        return ((c + 0.5) * scales.unsqueeze(-1)).reshape(*c.shape[:-2], -1).to(dtype)
+        c = c.view(*c.shape[:-2], c.shape[-2] // (g // 2), g)
+        return (c * scales.float().unsqueeze(-1)).view(*c.shape[:-2], -1).to(dtype)
     return (codes.float() * scales).to(dtype)

@@ -24,10 +24,10 @@ def _empty_codes(mode: str, shape: tuple[int, ...], group_size: int) -> tuple[to
     if mode == "int4":
         return (
             torch.zeros(*lead, n_out, n_in // 2, dtype=torch.uint8),
-            torch.zeros(*lead, n_out, n_in // group_size),
+            torch.zeros(*lead, n_out, n_in // group_size, dtype=torch.bfloat16),
         )
     dtype = torch.int8 if mode == "int8" else torch.float8_e4m3fn
-    return torch.zeros(*shape, dtype=dtype), torch.zeros(*lead, n_out, 1)
+    return torch.zeros(*shape, dtype=dtype), torch.zeros(*lead, n_out, 1, dtype=torch.float32)
 
 
 class QuantLinear(nn.Module):
