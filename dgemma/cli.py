@@ -85,13 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import cli_demo, cli_generate, cli_serve, cli_tasks, cli_train
+    from . import cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
 
     cli_generate.register(sub)
     cli_serve.register(sub)
     cli_train.register(sub)
     cli_tasks.register(sub)
     cli_demo.register(sub)
+    cli_quant.register(sub)
     return parser
 
 

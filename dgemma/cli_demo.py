@@ -139,7 +139,7 @@ def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
     return Part("edit", len(r.middle), s.steps_per_canvas[0][0], s.decoder_forward_passes[0], seconds)
 
 
-def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int) -> Part:
+def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, group_size: int = 64) -> Part:
     import torch
 
     from .cli_tasks import grid_text
@@ -147,7 +147,7 @@ def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int) -> Part:
     from .tasks import sudoku
 
     screen.title("4. A Sudoku solved by the Sudoku model")
-    model, tok = sudoku.load_model(model_dir)
+    model, tok = sudoku.load_model(model_dir, quant, group_size)
     puzzle = sudoku.generate_level("easy", seed).puzzle
 
     def render(event):
@@ -184,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     directory = args.model or CODE_MODEL_DIR
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"no code model in {directory}; train one with recipes/code-small.yaml or give --model")
-    model, tok = load(directory), Tokenizer.from_dir(directory)
+    model, tok = load(directory, quant=args.quant, group_size=args.group_size), Tokenizer.from_dir(directory)
     accelerate(model)
     screen.print(
         f"dgemma demo: code model {directory.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
@@ -196,7 +196,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _edit_part(screen, model, tok, args.seed),
     ]
     if not args.no_sudoku:
-        parts.append(_sudoku_part(screen, args.sudoku_model, args.seed))
+        parts.append(_sudoku_part(screen, args.sudoku_model, args.seed, args.quant, args.group_size))
     screen.title("Statistics")
     screen.print(f"{'part':10s} {'tokens':>7s} {'steps':>6s} {'tok/forward':>12s} {'tok/s':>8s} {'seconds':>8s}")
     for p in parts:
@@ -220,4 +220,7 @@ def register(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--plain", action="store_true", help="plain text snapshots even in a terminal")
     s.add_argument("--no-sudoku", action="store_true", help="skip the Sudoku part")
+    from .cli_generate import add_quant_args
+
+    add_quant_args(s)
     s.set_defaults(func=cmd_demo)

@@ -42,6 +42,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--adapter", type=Path, default=None, help="a LoRA adapter directory, merged into the weights")
+    add_quant_args(p)
+
+
+def add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=["int8", "int4", "fp8"],
+        help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant)",
+    )
+    p.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +123,17 @@ def load_model_and_tokenizer(args: argparse.Namespace):
         raise FileNotFoundError(f"model directory {directory} does not exist")
     tokenizer = Tokenizer.from_dir(directory)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load(directory, dtype=args.dtype, device=device, progress=sys.stderr.isatty())
+    quant = getattr(args, "quant", None)
+    if quant and args.adapter is not None:
+        raise ValueError("--adapter merges into full-precision weights; merge first (dgemma merge), then --quant")
+    model = load(
+        directory,
+        dtype=args.dtype,
+        device=device,
+        progress=sys.stderr.isatty(),
+        quant=quant,
+        group_size=getattr(args, "group_size", 64),
+    )
     if args.adapter is not None:
         from .train.lora import load_adapter
 

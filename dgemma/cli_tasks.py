@@ -59,7 +59,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
     puzzle = _read_puzzle(args)
     sudoku.solve(puzzle)  # refuses contradictory, unsolvable and ambiguous puzzles with a clear message
-    model, tokenizer = sudoku.load_model(args.model)
+    model, tokenizer = sudoku.load_model(args.model, args.quant, args.group_size)
     sampling = {"seed": args.seed if args.seed is not None else 0}
     if args.steps is not None:
         sampling["max_denoising_steps"] = args.steps
@@ -109,6 +109,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from .cli_generate import add_quant_args
+
     s = sub.add_parser(
         "sudoku",
         help="solve a Sudoku with the shipped diffusion model",
@@ -126,6 +128,7 @@ def register(sub) -> None:
         help="difficulty of the random puzzle made when none is given (default medium)",
     )
     s.add_argument("--model", type=Path, default=None, help="another Sudoku model directory")
+    add_quant_args(s)
     s.add_argument("--steps", type=int, default=None, help="maximum denoising steps (default: the model's 48)")
     s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
     s.add_argument("--show-canvas", action="store_true", help="watch the grid fill in, step by step")

@@ -158,3 +158,23 @@ def test_bad_quant_names_are_rejected(checkpoint, tmp_path):
     dgemma.save(dgemma.load(checkpoint, quant="int8"), tmp_path / "q8")
     with pytest.raises(ValueError, match="already quantized as int8"):
         dgemma.load(tmp_path / "q8", quant="int4")
+
+
+def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, capsys):
+    from dgemma.cli import main
+    from dgemma.testing import make_tokenizer
+
+    src = tmp_path / "src"
+    config = dgemma.preset("tiny")
+    dgemma.save(dgemma.build(config, seed=0), src)
+    make_tokenizer(512).save(src)
+    assert main(["quantize", str(src), str(tmp_path / "q4"), "--quant", "int4", "--group-size", "16"]) == 0
+    assert "int4 weights" in capsys.readouterr().out
+    assert (tmp_path / "q4" / "tokenizer.json").is_file()
+    assert main(["generate", "-m", str(tmp_path / "q4"), "-p", "a", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert main(["generate", "-m", str(src), "--quant", "int8", "-p", "a", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q4"), "--quant", "int8"]) == 2  # not empty
+    assert "not empty" in capsys.readouterr().err
+    assert main(["quantize", str(src), str(tmp_path / "x"), "--quant", "int4", "--group-size", "48"]) == 2
+    assert "group_size" in capsys.readouterr().err

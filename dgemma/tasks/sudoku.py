@@ -426,8 +426,9 @@ class ModelSolve:
     result: object  # the GenerationResult
 
 
-def load_model(path: str | Path | None = None):
-    """The Sudoku model and its tokenizer (by default the one shipped inside dgemma)."""
+def load_model(path: str | Path | None = None, quant: str | None = None, group_size: int = 64):
+    """The Sudoku model and its tokenizer (by default the one shipped inside dgemma), optionally
+    quantized as it loads (`quant`: int8, int4 or fp8)."""
     from ..tokenizer import Tokenizer
     from ..weights import load
 
@@ -436,7 +437,7 @@ def load_model(path: str | Path | None = None):
         raise FileNotFoundError(
             f"no Sudoku model in {directory}; train one with recipes/sudoku-tiny.yaml or pass --model DIR"
         )
-    return load(directory), Tokenizer.from_dir(directory)
+    return load(directory, quant=quant, group_size=group_size), Tokenizer.from_dir(directory)
 
 
 def solve_batch(model, tokenizer, puzzles: list[str], stream: bool = False, **sampling) -> list[ModelSolve]:

@@ -1,0 +1,51 @@
+"""`dgemma quantize DIR OUT --quant int4`: write a quantized checkpoint that loads directly."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Read DIR tensor by tensor, quantizing as it goes, and write OUT (weights, config, tokenizer)."""
+    from .weights import load, save
+
+    src, out = Path(args.model), Path(args.out)
+    if not src.is_dir():
+        raise FileNotFoundError(f"model directory {src} does not exist")
+    if out.resolve() == src.resolve():
+        raise ValueError("OUT must differ from DIR (the source checkpoint is never overwritten)")
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
+    model = load(src, quant=args.quant, group_size=args.group_size, progress=sys.stderr.isatty())
+    save(model, out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out}: {args.quant} weights, {after / 2**20:.1f} MiB (from {before / 2**20:.1f} MiB)")
+    return 0
+
+
+def register(sub) -> None:
+    from .cli_generate import positive_int
+
+    s = sub.add_parser(
+        "quantize",
+        help="write a quantized copy of a checkpoint (int8, int4, fp8)",
+        description="Quantize a checkpoint's attention, MLP and expert weights (weight-only; the router, "
+        "norms, embeddings and self-conditioning stay in their dtype: see dgemma/quant/__init__.py) and "
+        "write it as a checkpoint directory that every command loads directly. The source is read tensor "
+        "by tensor, never whole.",
+    )
+    s.add_argument("model", type=Path, help="source checkpoint directory")
+    s.add_argument("out", type=Path, help="output directory")
+    s.add_argument("--quant", required=True, choices=["int8", "int4", "fp8"])
+    s.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
+    s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
+    s.set_defaults(func=cmd_quantize)
