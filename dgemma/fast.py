@@ -81,6 +81,10 @@ def accelerate(model: DiffusionGemma, *, compile: bool = False) -> DiffusionGemm
             module.forward = types.MethodType(_rms_norm, module)
         elif isinstance(module, Experts):
             module.forward = types.MethodType(_experts, module)
+    if model.device.type == "cuda":  # int8 / fp8 weights: tensor-core matmuls (see dgemma/quant/kernels.py)
+        from .quant import use_kernels
+
+        use_kernels(model)
     if compile and "denoise" not in model.__dict__:
         # Experts that loop over a data-dependent split break the graph once per layer; allow one
         # compiled variant per layer instead of falling back to eager after the default 8.
@@ -95,6 +99,8 @@ def restore(model: DiffusionGemma) -> DiffusionGemma:
     """Remove what `accelerate` installed: the reference forward paths again."""
     for module in model.modules():
         module.__dict__.pop("forward", None)
+        if getattr(module, "kernel", None):
+            module.kernel = None
     model.__dict__.pop("denoise", None)
     return model
 

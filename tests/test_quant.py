@@ -178,3 +178,37 @@ def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, caps
     assert "not empty" in capsys.readouterr().err
     assert main(["quantize", str(src), str(tmp_path / "x"), "--quant", "int4", "--group-size", "48"]) == 2
     assert "group_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_integer_and_fp8_matmul_kernels_equal_their_reference(mode):
+    from dgemma.quant.kernels import quantized_matmul, reference_matmul
+
+    torch.manual_seed(0)
+    q = quantize(torch.randn(48, 64), mode)
+    x = torch.randn(3, 5, 64)
+    tol = 1e-5 if mode == "int8" else 2e-2  # int32 accumulation is exact; _scaled_mm returns bf16
+    torch.testing.assert_close(quantized_matmul(x, q), reference_matmul(x, q), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_kernels_switch_on_and_off_in_a_model(mode):
+    from dgemma.quant import use_kernels
+
+    config = dgemma.preset("tiny")
+    model = quantize_model(dgemma.build(config, seed=0), mode, group_size=16)
+    ids = torch.randint(0, config.text_config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+
+    def hidden():
+        cache = model.new_cache(batch_size=1, max_length=16)
+        return model.encode(ids, cache).hidden_states
+
+    with torch.no_grad():
+        weight_only = hidden()
+        use_kernels(model)
+        assert model.layers[0].self_attn.q_proj.kernel and model.layers[0].experts.kernel
+        with_kernels = hidden()
+        use_kernels(model, enable=False)
+        torch.testing.assert_close(hidden(), weight_only, rtol=0, atol=0)
+    assert not torch.equal(with_kernels, weight_only)  # activations are quantized too
+    assert torch.isfinite(with_kernels).all()

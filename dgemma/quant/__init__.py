@@ -20,6 +20,7 @@ from torch import nn
 
 from ..model import DiffusionGemma, Experts
 from .formats import MODES, Quantized, check_mode, dequantize, quantize
+from .kernels import use_kernels
 from .modules import QuantExperts, QuantLinear
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,6 +38,7 @@ __all__ = [
     "quantized_weight_names",
     "swap_modules",
     "targets",
+    "use_kernels",
 ]
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..model import Experts, gelu_tanh
 from .formats import Quantized, check_mode, dequantize, quantize
+from .kernels import quantized_matmul
 
 TILE_ELEMENTS = 1 << 22  # dequantized elements per tile (16 MB in fp32)
 
@@ -37,6 +38,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.mode, self.group_size = check_mode(mode), group_size
+        self.kernel: str | None = None  # set by dgemma.quant.use_kernels
         codes, scales = _empty_codes(mode, (out_features, in_features), group_size)
         self.register_buffer("weight", codes)
         self.register_buffer("weight_scale", scales)
@@ -62,6 +64,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized()
+        if self.kernel:
+            return quantized_matmul(x, q)
         tile = max(1, TILE_ELEMENTS // self.in_features)
         if tile >= self.out_features:
             return F.linear(x, dequantize(q, x.dtype))
@@ -88,6 +92,7 @@ class QuantExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, mode: str, group_size: int = 64):
         super().__init__()
         self.mode, self.group_size = check_mode(mode), group_size
+        self.kernel: str | None = None  # set by dgemma.quant.use_kernels
         self.shapes = {
             "gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
             "down_proj": (num_experts, hidden_size, intermediate_size),
@@ -115,11 +120,18 @@ class QuantExperts(nn.Module):
             codes[e].copy_(q.codes)
             scales[e].copy_(q.scales)
 
+    def quantized(self, name: str, e: int) -> Quantized:
+        shape = self.shapes[name][1:]
+        return Quantized(self.mode, getattr(self, name)[e], getattr(self, name + "_scale")[e], shape, self.group_size)
+
     def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `e`'s dequantized weight `name`."""
-        shape = self.shapes[name][1:]
-        q = Quantized(self.mode, getattr(self, name)[e], getattr(self, name + "_scale")[e], shape, self.group_size)
-        return dequantize(q, dtype)
+        return dequantize(self.quantized(name, e), dtype)
+
+    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        if self.kernel:
+            return quantized_matmul(x, self.quantized(name, e))
+        return F.linear(x, self.expert(name, e, x.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         n, k = index.shape
@@ -133,8 +145,8 @@ class QuantExperts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = F.linear(xs[rows], self.expert("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-            out[rows] = F.linear(gelu_tanh(gate) * up, self.expert("down_proj", e, x.dtype)).float()
+            gate, up = self._linear(xs[rows], "gate_up_proj", e).chunk(2, dim=-1)
+            out[rows] = self._linear(gelu_tanh(gate) * up, "down_proj", e).float()
             start += count
         out *= weights.reshape(-1)[order, None]
         slots = torch.empty_like(out)
