@@ -249,21 +249,22 @@ def _plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=120)
     names = [
         ("diffusion_auto", "diffusion, auto length"),
         ("diffusion_given", "diffusion, given length"),
-        ("ar", "AR twin"),
+        ("ar", "AR twin (left side only)"),
     ]
     width = 0.27
-    for i, (key, label) in enumerate(names):
-        values = [100 * summary["infill"].get(k, {}).get(key, {}).get("exact", 0.0) for k in KINDS]
-        ax.bar([x + (i - 1) * width for x in range(len(KINDS))], values, width, label=label)
-    ax.set_xticks(range(len(KINDS)), KINDS)
-    ax.set_ylabel("exact match (%)")
-    ax.set_title("Held-out infilling: diffusion (both sides) vs AR twin (left side)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    for ax, (metric, label) in zip(axes, (("exact", "exact match (%)"), ("parses", "file parses (%)")), strict=True):
+        for i, (key, name) in enumerate(names):
+            values = [100 * summary["infill"].get(k, {}).get(key, {}).get(metric, 0.0) for k in KINDS]
+            ax.bar([x + (i - 1) * width for x in range(len(KINDS))], values, width, label=name)
+        ax.set_xticks(range(len(KINDS)), KINDS)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Held-out infilling: diffusion (both sides) vs AR twin (left side)")
     fig.tight_layout()
     fig.savefig(path)
 

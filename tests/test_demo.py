@@ -42,7 +42,10 @@ def test_demo_without_a_code_model_says_what_to_do(tmp_path, capsys):
     assert "no code model" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (CODE_MODEL_DIR / "config.json").is_file(), reason="the code model is not shipped yet")
 def test_demo_on_the_shipped_models(capsys):
+    """What the README's first command runs: no arguments, the models inside the package."""
+    assert (CODE_MODEL_DIR / "model.safetensors").is_file()
     assert main(["demo"]) == 0
-    assert "Statistics" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "code model code (6.3M parameters" in out and "solved: a valid grid" in out
+    assert "\x1b" not in out
