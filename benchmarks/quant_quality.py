@@ -63,6 +63,19 @@ def load_mode(path: Path, mode: str):
     return dgemma.load(path) if mode == "fp32" else dgemma.load(path, quant=mode)
 
 
+def per_mode(name: str, path: Path, modes: list[str], cases, task) -> dict[str, dict]:
+    """For each mode: load the model so, its logit gap to the first mode (fp32) and `task(model)`."""
+    out, full = {}, None
+    for mode in modes:
+        model = load_mode(path, mode)
+        dgemma.accelerate(model)
+        logits = denoise_logits(model, cases)
+        full = logits if full is None else full
+        out[mode] = ({} if logits is full else logit_gap(full, logits)) | task(model)
+        print(f"{name} {mode}: {out[mode]}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["int8", "int4", "fp8"])
@@ -96,22 +109,16 @@ def main() -> None:
             (sudoku.prompt_ids(tok, p["puzzle"]), noised(sudoku.solution_ids(tok, p["solution"]), 15, rng))
             for p in puzzles[: args.canvases]
         ]
-        rows["sudoku"] = {}
-        full = None
-        for mode in modes:
-            model = load_mode(sudoku.MODEL_DIR, mode)
-            dgemma.accelerate(model)
-            logits = denoise_logits(model, cases)
-            full = logits if mode == "fp32" else full
-            entry = {} if mode == "fp32" else logit_gap(full, logits)
+
+        def solve_rate(model) -> dict:
             t = time.perf_counter()
             solved = 0
             for a in range(0, len(puzzles), 50):
                 group = [p["puzzle"] for p in puzzles[a : a + 50]]
                 solved += sum(s.solved for s in sudoku.solve_batch(model, tok, group, seed=0))
-            entry.update(solve_rate=solved / len(puzzles), puzzles=len(puzzles), seconds=time.perf_counter() - t)
-            rows["sudoku"][mode] = entry
-            print(f"sudoku {mode}: {entry}", file=sys.stderr)
+            return {"solve_rate": solved / len(puzzles), "puzzles": len(puzzles), "seconds": time.perf_counter() - t}
+
+        rows["sudoku"] = per_mode("sudoku", sudoku.MODEL_DIR, modes, cases, solve_rate)
 
     # 3. the code model
     if (args.code_data / "test.jsonl").is_file():
@@ -127,14 +134,8 @@ def main() -> None:
         ]
         srng.shuffle(spans)
         spans = spans[: 3 * args.spans]
-        rows["code"] = {}
-        full = None
-        for mode in modes:
-            model = load_mode(code.MODEL_DIR, mode)
-            dgemma.accelerate(model)
-            logits = denoise_logits(model, cases)
-            full = logits if mode == "fp32" else full
-            entry = {} if mode == "fp32" else logit_gap(full, logits)
+
+        def infill_score(model) -> dict:
             exact = parses = 0
             for text, a, b in spans:
                 middle = tok.encode(text[a:b], add_special_tokens=False)
@@ -144,9 +145,9 @@ def main() -> None:
                 score = code_eval._score(text, a, b, r.middle_text, text[a:b].strip(), r.result.stats)
                 exact += score["exact"]
                 parses += score["parses"]
-            entry.update(infill_exact=exact / len(spans), infill_parses=parses / len(spans), spans=len(spans))
-            rows["code"][mode] = entry
-            print(f"code {mode}: {entry}", file=sys.stderr)
+            return {"infill_exact": exact / len(spans), "infill_parses": parses / len(spans), "spans": len(spans)}
+
+        rows["code"] = per_mode("code", code.MODEL_DIR, modes, cases, infill_score)
 
     print("| model | mode | KL (nats/position) | argmax agreement | task score |")
     print("|---|---|---:|---:|---|")

@@ -45,10 +45,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_quant_args(p)
 
 
-def add_quant_args(p: argparse.ArgumentParser) -> None:
+def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument(
         "--quant",
         default=None,
+        required=required,
         choices=["int8", "int4", "fp8"],
         help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant)",
     )
@@ -123,16 +124,15 @@ def load_model_and_tokenizer(args: argparse.Namespace):
         raise FileNotFoundError(f"model directory {directory} does not exist")
     tokenizer = Tokenizer.from_dir(directory)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    quant = getattr(args, "quant", None)
-    if quant and args.adapter is not None:
+    if args.quant and args.adapter is not None:
         raise ValueError("--adapter merges into full-precision weights; merge first (dgemma merge), then --quant")
     model = load(
         directory,
         dtype=args.dtype,
         device=device,
         progress=sys.stderr.isatty(),
-        quant=quant,
-        group_size=getattr(args, "group_size", 64),
+        quant=args.quant,
+        group_size=args.group_size,
     )
     if args.adapter is not None:
         from .train.lora import load_adapter

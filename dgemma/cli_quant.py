@@ -33,7 +33,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli_generate import positive_int
+    from .cli_generate import add_quant_args
 
     s = sub.add_parser(
         "quantize",
@@ -45,7 +45,6 @@ def register(sub) -> None:
     )
     s.add_argument("model", type=Path, help="source checkpoint directory")
     s.add_argument("out", type=Path, help="output directory")
-    s.add_argument("--quant", required=True, choices=["int8", "int4", "fp8"])
-    s.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
+    add_quant_args(s, required=True)
     s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     s.set_defaults(func=cmd_quantize)

@@ -53,20 +53,31 @@ def _experts_dense(self: Experts, x: torch.Tensor, weights: torch.Tensor, index:
 
 def _experts_sorted(self: Experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Token-expert pairs sorted by expert: one contiguous slice (and one weight read) per expert hit."""
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(gelu_tanh(gate) * up, self.down_proj[e])
+
+    return experts_by_expert(x, weights, index, self.gate_up_proj.shape[0], expert)
+
+
+def experts_by_expert(
+    x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_experts: int, expert
+) -> torch.Tensor:
+    """The MoE block's dispatch: sort the (token, slot) pairs by expert, run `expert(e, rows)` once per
+    expert hit on its contiguous rows, weight each output in fp32 and sum a token's K slots."""
     n, k = index.shape
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-    tokens = order // k
-    xs = x[tokens]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    xs = x[order // k]
     out = torch.empty(n * k, x.shape[-1], dtype=torch.float32, device=x.device)
     start = 0
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(xs[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-        out[rows] = F.linear(gelu_tanh(gate) * up, self.down_proj[expert]).float()
+        out[rows] = expert(e, xs[rows]).float()
         start += count
     out *= weights.reshape(-1)[order, None]
     slots = torch.empty_like(out)

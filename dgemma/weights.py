@@ -32,6 +32,8 @@ from safetensors.torch import save_file
 
 from .config import DiffusionGemmaConfig, GenerationConfig
 from .model import DiffusionGemma
+from .quant import check_mode, describe, quantized_weight_names, swap_modules
+from .quant.formats import quantize_matrices
 
 DEC = "model.decoder."
 ENC = "model.encoder.language_model."
@@ -186,14 +188,11 @@ def load(
     stored = _stored_quantization(directory)
     if stored and quant and quant != stored["mode"]:
         raise ValueError(f"{directory} is already quantized as {stored['mode']}; it cannot load as {quant}")
-    if quant:
-        from .quant import check_mode
-
-        check_mode(quant)
+    mode, group_size = (stored["mode"], stored.get("group_size") or 64) if stored else (quant, group_size)
     with torch.device("meta"):
         model = DiffusionGemma(config)
-        if stored:
-            _swap_quantized(model, stored["mode"], stored.get("group_size") or 64)
+        if stored:  # the checkpoint holds codes and scales: validate against the quantized layout
+            swap_modules(model, mode, group_size, empty=True)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
     missing = sorted(set(expected) - set(primary))
@@ -230,24 +229,19 @@ def load(
         target = source.get(primary["embed_tokens.weight"]).dtype
         if target not in _DTYPE_NAMES:
             target = torch.float32
-    quantized_names: set[str] = set()
-    if quant and not stored:
+    if mode and not stored:  # quantize on load: the full-precision layout was validated above
         with torch.device("meta"):
-            quantized_names = _swap_quantized(model, quant, group_size)
-    elif stored:
-        quantized_names = {n for n in expected if _is_quantized_tensor(model, n)}
+            swap_modules(model, mode, group_size, empty=True)
+    held = quantized_weight_names(model)
     state = {}
     report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     for ours, hf in primary.items():
-        if ours in quantized_names and not stored:  # quantize on load
-            module_name, _, weight = ours.rpartition(".")
-            module = model.get_submodule(module_name)
+        if ours in held and not stored:  # quantize on load
             tensor = source.get(hf)
-            for key, t in _quantize_tensor(module, module_name, weight, tensor).items():
-                state[key] = t.to(device)
+            state[ours], state[ours + "_scale"] = (t.to(device) for t in quantize_matrices(tensor, mode, group_size))
             nbytes = tensor.nbytes
             del tensor
-        elif ours in quantized_names:  # stored codes and fp32 scales: as they are
+        elif ours in held or ours.removesuffix("_scale") in held:  # stored codes and scales: as they are
             state[ours] = source.get(hf).to(device=device)
             nbytes = state[ours].nbytes
         else:
@@ -265,12 +259,8 @@ def load(
                     "DiffusionGemma shares these weights between encoder and decoder"
                 )
     model.load_state_dict(state, strict=True, assign=True)
-    if stored or quant:
-        from .quant import describe
-
-        model.quantization = describe(
-            stored["mode"] if stored else quant, stored.get("group_size") if stored else group_size
-        )
+    if mode:
+        model.quantization = describe(mode, group_size)
     model.generation_config = GenerationConfig.from_file(directory)
     model.eval()
     return model
@@ -284,41 +274,8 @@ def _stored_quantization(directory: Path) -> dict | None:
         return None
     if not isinstance(block, dict) or block.get("quant_method") != "dgemma" or "mode" not in block:
         raise ValueError(f"{path}: a 'quantization' block must be one written by dgemma (got {block!r})")
-    from .quant import check_mode
-
     check_mode(block["mode"])
     return block
-
-
-def _swap_quantized(model: DiffusionGemma, mode: str, group_size: int) -> set[str]:
-    """Swap the policy's modules for quantized ones; returns the names of the weights they now hold."""
-    from .quant import quantized_weight_names, swap_modules
-
-    swap_modules(model, mode, group_size, empty=True)
-    return quantized_weight_names(model)
-
-
-def _is_quantized_tensor(model: DiffusionGemma, name: str) -> bool:
-    from .quant import QuantExperts, QuantLinear
-
-    module_name = name.rpartition(".")[0]
-    return isinstance(model.get_submodule(module_name), QuantLinear | QuantExperts)
-
-
-def _quantize_tensor(module, module_name: str, weight: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quantize a checkpoint tensor for `module` (a QuantLinear or QuantExperts built on meta, named
-    `module_name` in the model): the codes and the scales under their state-dict names."""
-    from .quant import QuantExperts, quantize
-
-    prefix = module_name + "."
-    if isinstance(module, QuantExperts):
-        parts = [quantize(tensor[e], module.mode, module.group_size) for e in range(tensor.shape[0])]
-        codes = torch.stack([q.codes for q in parts])
-        scales = torch.stack([q.scales for q in parts])
-    else:
-        q = quantize(tensor, module.mode, module.group_size)
-        codes, scales = q.codes, q.scales
-    return {f"{prefix}{weight}": codes, f"{prefix}{weight}_scale": scales}
 
 
 class _Progress:

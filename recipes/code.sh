@@ -11,13 +11,5 @@ DGEMMA=${DGEMMA:-.venv/bin/dgemma}
 [ -f recipes/data/code/train-records.jsonl ] || "$PY" recipes/code_data.py
 "$DGEMMA" train recipes/code-small.yaml
 "$DGEMMA" train recipes/code-small-ar.yaml
-for pair in "code-small:dgemma/models/code" "code-small-ar:models/code-ar"; do
-    run=runs/${pair%%:*}/final
-    dst=${pair##*:}
-    rm -rf "$dst.tmp" && mkdir -p "$dst.tmp"
-    cp "$run"/config.json "$run"/model.safetensors "$dst.tmp"/
-    [ -f "$run"/generation_config.json ] && cp "$run"/generation_config.json "$dst.tmp"/
-    cp recipes/data/code/tokenizer/* "$dst.tmp"/
-    rm -rf "$dst" && mv "$dst.tmp" "$dst"
-    echo "shipped $run -> $dst"
-done
+recipes/ship.sh runs/code-small/final dgemma/models/code recipes/data/code/tokenizer
+recipes/ship.sh runs/code-small-ar/final models/code-ar recipes/data/code/tokenizer

@@ -10,13 +10,5 @@ DGEMMA=${DGEMMA:-.venv/bin/dgemma}
 [ -f recipes/data/sudoku/train-records.jsonl ] || "$PY" recipes/sudoku_data.py
 "$DGEMMA" train recipes/sudoku-tiny.yaml
 "$DGEMMA" train recipes/sudoku-tiny-ar.yaml
-for pair in "sudoku-tiny:dgemma/models/sudoku" "sudoku-tiny-ar:models/sudoku-ar"; do
-    run=runs/${pair%%:*}/final
-    dst=${pair##*:}
-    rm -rf "$dst.tmp" && mkdir -p "$dst.tmp"
-    cp "$run"/config.json "$run"/model.safetensors "$dst.tmp"/
-    [ -f "$run"/generation_config.json ] && cp "$run"/generation_config.json "$dst.tmp"/
-    cp recipes/data/sudoku/tokenizer/* "$dst.tmp"/
-    rm -rf "$dst" && mv "$dst.tmp" "$dst"
-    echo "shipped $run -> $dst"
-done
+recipes/ship.sh runs/sudoku-tiny/final dgemma/models/sudoku recipes/data/sudoku/tokenizer
+recipes/ship.sh runs/sudoku-tiny-ar/final models/sudoku-ar recipes/data/sudoku/tokenizer

@@ -121,15 +121,11 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
 def test_quantize_on_load_equals_quantize_after_load(checkpoint, mode):
     on_load = dgemma.load(checkpoint, quant=mode, group_size=16)
     after = quantize_model(dgemma.load(checkpoint), mode, group_size=16)
-    a, b = _state(on_load), _state(after)
+    a, b = on_load.state_dict(), after.state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), (
@@ -144,7 +140,7 @@ def test_saved_quantized_checkpoints_reload_identically(checkpoint, tmp_path, mo
     dgemma.save(model, tmp_path / "q")
     again = dgemma.load(tmp_path / "q")
     assert again.quantization == model.quantization
-    a, b = _state(model), _state(again)
+    a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name

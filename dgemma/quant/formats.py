@@ -74,6 +74,16 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
     return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size)
 
 
+def quantize_matrices(w: torch.Tensor, mode: str, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of a weight or a stack of them (`[E, out, in]`: one matrix at a time, so only
+    one is ever in fp32)."""
+    if w.dim() == 2:
+        q = quantize(w, mode, group_size)
+        return q.codes, q.scales
+    parts = [quantize(m, mode, group_size) for m in w]
+    return torch.stack([q.codes for q in parts]), torch.stack([q.scales for q in parts])
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes in [-8, 7] (any int dtype, even last dimension) -> uint8, two per byte, low nibble first,
     each stored offset by 8 (0..15), so reading one back is `nibble - 8` with no sign handling."""

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fast import experts_by_expert
 from ..model import Experts, gelu_tanh
-from .formats import Quantized, check_mode, dequantize, quantize
+from .formats import Quantized, check_mode, dequantize, quantize, quantize_matrices
 from .kernels import quantized_matmul
 
 TILE_ELEMENTS = 1 << 22  # dequantized elements per tile (16 MB in fp32)
@@ -114,11 +115,9 @@ class QuantExperts(nn.Module):
         """Quantize the stacked weight `name` (expert by expert, so only one is ever in fp32)."""
         if tuple(w.shape) != self.shapes[name]:
             raise ValueError(f"{name}: expected shape {self.shapes[name]}, got {tuple(w.shape)}")
-        codes, scales = getattr(self, name), getattr(self, name + "_scale")
-        for e in range(w.shape[0]):
-            q = quantize(w[e], self.mode, self.group_size)
-            codes[e].copy_(q.codes)
-            scales[e].copy_(q.scales)
+        codes, scales = quantize_matrices(w, self.mode, self.group_size)
+        getattr(self, name).copy_(codes)
+        getattr(self, name + "_scale").copy_(scales)
 
     def quantized(self, name: str, e: int) -> Quantized:
         shape = self.shapes[name][1:]
@@ -134,24 +133,11 @@ class QuantExperts(nn.Module):
         return F.linear(x, self.expert(name, e, x.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        n, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.shapes["gate_up_proj"][0]).tolist()
-        xs = x[order // k]
-        out = torch.empty(n * k, x.shape[-1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            gate, up = self._linear(xs[rows], "gate_up_proj", e).chunk(2, dim=-1)
-            out[rows] = self._linear(gelu_tanh(gate) * up, "down_proj", e).float()
-            start += count
-        out *= weights.reshape(-1)[order, None]
-        slots = torch.empty_like(out)
-        slots[order] = out
-        return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = self._linear(rows, "gate_up_proj", e).chunk(2, dim=-1)
+            return self._linear(gelu_tanh(gate) * up, "down_proj", e)
+
+        return experts_by_expert(x, weights, index, self.shapes["gate_up_proj"][0], expert)
 
     def extra_repr(self) -> str:
         e, two_i, m = self.shapes["gate_up_proj"]
