@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
+    from . import cli_bench, cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
 
     cli_generate.register(sub)
     cli_serve.register(sub)
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_tasks.register(sub)
     cli_demo.register(sub)
     cli_quant.register(sub)
+    cli_bench.register(sub)
     return parser
 
 

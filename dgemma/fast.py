@@ -6,7 +6,9 @@
 - experts computed by size: when the extra work is small (few tokens, few experts), every expert runs on
   every token as two batched matmuls and unselected experts get weight zero, which replaces a Python loop
   of small ops; otherwise tokens are sorted by expert once and each expert reads its weights once, on a
-  contiguous slice;
+  contiguous slice; on CUDA (or when asked) tokens are sorted the same way and every expert runs in one
+  grouped matmul per projection (`torch.nn.functional.grouped_mm`): each expert's weights are read once
+  per step, nothing waits for the device, and the step can be captured in a CUDA graph (dgemma/graphs.py);
 - optionally `torch.compile` of the denoise and encode passes (`compile=True`): fused kernels and no
   Python overhead per op, after a one-off compile (seconds with a warm cache, about a minute cold).
 
@@ -34,7 +36,20 @@ def _rms_norm(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return h if h.dtype == x.dtype else h.to(x.dtype)
 
 
+def has_grouped_mm() -> bool:
+    """Whether this PyTorch has the grouped matmul the grouped expert path needs."""
+    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of `a` [R, K] times b[e] [K, N] for every group e -> [R, N]."""
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return fn(a, b, offs=offs)
+
+
 def _experts(self: Experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if getattr(self, "grouped", False):
+        return experts_grouped(self, x, weights, index)
     n, k = index.shape
     e, two_i, m = self.gate_up_proj.shape
     if (e - k) * n * 3 * m * (two_i // 2) <= DENSE_EXPERTS_MAX_EXTRA:
@@ -61,6 +76,23 @@ def _experts_sorted(self: Experts, x: torch.Tensor, weights: torch.Tensor, index
     return experts_by_expert(x, weights, index, self.gate_up_proj.shape[0], expert)
 
 
+def experts_grouped(self: Experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """All experts in two grouped matmuls over the (token, slot) pairs sorted by expert. Shapes depend only
+    on the number of tokens, never on the routing, and nothing is read back to the host."""
+    n, k = index.shape
+    e = self.gate_up_proj.shape[0]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)  # where each expert's rows end
+    xs = x[order // k]
+    gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+    out = grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs).float()
+    out *= weights.reshape(-1)[order, None]
+    slots = torch.empty_like(out)
+    slots[order] = out
+    return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
 def experts_by_expert(
     x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_experts: int, expert
 ) -> torch.Tensor:
@@ -85,14 +117,25 @@ def experts_by_expert(
     return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
-def accelerate(model: DiffusionGemma, *, compile: bool = False) -> DiffusionGemma:
-    """Install the fast paths on `model` (in place; returns it). Idempotent."""
+def accelerate(
+    model: DiffusionGemma, *, compile: bool = False, grouped: bool | None = None, graphs: bool | None = None
+) -> DiffusionGemma:
+    """Install the fast paths on `model` (in place; returns it). Idempotent.
+
+    `grouped` (default: on CUDA when available) runs the experts as grouped matmuls; `graphs` (default: on
+    CUDA) replays each canvas-sized denoising step from a captured CUDA graph (dgemma/graphs.py).
+    """
+    on_cuda = model.device.type == "cuda"
+    grouped = (on_cuda and has_grouped_mm()) if grouped is None else grouped
+    if grouped and not has_grouped_mm():
+        raise RuntimeError("this PyTorch has no grouped_mm; accelerate(grouped=False) or upgrade PyTorch")
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_rms_norm, module)
         elif isinstance(module, Experts):
+            module.grouped = grouped
             module.forward = types.MethodType(_experts, module)
-    if model.device.type == "cuda":  # int8 / fp8 weights: tensor-core matmuls (see dgemma/quant/kernels.py)
+    if on_cuda:  # int8 / fp8 weights: tensor-core matmuls (see dgemma/quant/kernels.py)
         from .quant import use_kernels
 
         use_kernels(model)
@@ -103,16 +146,31 @@ def accelerate(model: DiffusionGemma, *, compile: bool = False) -> DiffusionGemm
             torch._dynamo.config.recompile_limit, 4 * model.text_config.num_hidden_layers
         )
         model.denoise = torch.compile(model.denoise)
+    elif (capturable(model) if graphs is None else graphs) and "denoise" not in model.__dict__:
+        from .graphs import GraphedDenoise
+
+        model.denoise = GraphedDenoise(model)
     return model
+
+
+def capturable(model: DiffusionGemma) -> bool:
+    """Whether a denoising step of `model` can be captured in a CUDA graph: on CUDA, and no module that
+    reads routing decisions back to the host (reference or quantized experts; grouped experts are fine)."""
+    if model.device.type != "cuda":
+        return False
+    return all(getattr(m, "grouped", False) for m in model.modules() if "Experts" in type(m).__name__)
 
 
 def restore(model: DiffusionGemma) -> DiffusionGemma:
     """Remove what `accelerate` installed: the reference forward paths again."""
     for module in model.modules():
         module.__dict__.pop("forward", None)
+        module.__dict__.pop("grouped", None)
         if getattr(module, "kernel", None):
             module.kernel = None
-    model.__dict__.pop("denoise", None)
+    denoise = model.__dict__.pop("denoise", None)
+    if hasattr(denoise, "release"):
+        denoise.release()
     return model
 
 

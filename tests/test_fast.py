@@ -28,11 +28,11 @@ def _run(model, seed=0):
     return hidden, first, second
 
 
-@pytest.mark.parametrize("experts", ["dense", "sorted"])
+@pytest.mark.parametrize("experts", ["dense", "sorted", "grouped"])
 def test_accelerated_model_matches_reference(model, monkeypatch, experts):
     ref = _run(model)
     monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15 if experts == "dense" else -1)
-    fast.accelerate(model)
+    fast.accelerate(model, grouped=experts == "grouped")
     assert fast.is_accelerated(model)
     out = _run(model)
     for a, b in zip(ref, out, strict=True):
@@ -64,3 +64,52 @@ def test_sorted_experts_handle_unused_experts():
     ref = layer.experts(x, weights, index)
     torch.testing.assert_close(fast._experts_sorted(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast._experts_dense(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.experts_grouped(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_experts_in_bf16_match_the_reference_exactly():
+    m = build(preset("tiny"), dtype=torch.bfloat16)
+    experts = m.layers[1].experts
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    weights = torch.softmax(torch.randn(40, 2), -1)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(40)])
+    assert torch.equal(fast.experts_grouped(experts, x, weights, index), experts(x, weights, index))
+
+
+@pytest.mark.parametrize("prompt", [5, 30])  # the sliding ring (15 slots) partly written, and full
+@torch.no_grad()
+def test_static_step_matches_denoise(model, prompt):
+    """The fixed-shape step a CUDA graph records (here run without the graph) gives denoise's logits:
+    padded rows, a partly or fully written sliding ring, a signal or none, a second canvas after a commit."""
+    from dgemma.graphs import GraphedDenoise
+
+    graphed = GraphedDenoise(model, capture=False)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 512, (2, prompt), generator=g)
+    mask = torch.ones(2, prompt, dtype=torch.long)
+    mask[1, : prompt // 3] = 0
+    cache = model.new_cache(2, 64)
+    model.encode(ids, cache, attention_mask=mask)
+    for _ in range(2):
+        canvas = torch.randint(0, 512, (2, 8), generator=g)
+        first = model.denoise(canvas, cache)
+        torch.testing.assert_close(graphed(canvas, cache), first, rtol=1e-5, atol=1e-5)
+        soft = model.soft_embedding(first / 0.7)
+        ref = model.denoise(canvas, cache, self_conditioning_embeds=soft)
+        torch.testing.assert_close(graphed(canvas, cache, self_conditioning_embeds=soft), ref, rtol=1e-5, atol=1e-5)
+        model.encode(ref.argmax(-1), cache)  # commit: the next canvas sits 8 positions later
+    assert len(graphed.entries) == 2 and graphed.fallbacks == 0  # one entry per (signal or not), reused
+    graphed(canvas, cache, first)  # logits as the signal (exact mode): served by the ordinary denoise
+    assert graphed.fallbacks == 1
+
+
+def test_generation_with_the_graphed_step_is_unchanged(model):
+    import dgemma
+
+    settings = dict(max_new_tokens=16, seed=3, stop_token_ids=[])
+    ref = dgemma.generate(model, [5, 6, 7, 8], **settings).tokens
+    fast.accelerate(model, grouped=True, graphs=True)
+    assert dgemma.generate(model, [5, 6, 7, 8], **settings).tokens == ref
+    assert model.denoise.fallbacks == 0 and len(model.denoise.entries) >= 1
+    fast.restore(model)
+    assert "denoise" not in model.__dict__

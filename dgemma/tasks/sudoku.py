@@ -231,6 +231,35 @@ def make_puzzle(rng: random.Random, min_clues: int = 17) -> tuple[str, str]:
     return "".join(grid), solution
 
 
+def transform(puzzle: str, solution: str, rng: random.Random) -> tuple[str, str]:
+    """A random symmetry of a (puzzle, solution) pair: digits relabelled, rows permuted within bands and bands
+    permuted, the same for columns, and a transpose half of the time. Every such map keeps a grid valid, the
+    solution unique and the difficulty grade unchanged, so it multiplies the training puzzles for free."""
+    digits = list("123456789")
+    rng.shuffle(digits)
+    relabel = {str(d + 1): digits[d] for d in range(9)} | {BLANK: BLANK}
+
+    def lines() -> list[int]:
+        bands = [0, 1, 2]
+        rng.shuffle(bands)
+        order = []
+        for b in bands:
+            inner = [0, 1, 2]
+            rng.shuffle(inner)
+            order += [3 * b + i for i in inner]
+        return order
+
+    rows, cols, flip = lines(), lines(), rng.random() < 0.5
+
+    def apply(grid: str) -> str:
+        out = [relabel[grid[9 * r + c]] for r in rows for c in cols]
+        if flip:
+            out = [out[9 * c + r] for r in range(9) for c in range(9)]
+        return "".join(out)
+
+    return apply(puzzle), apply(solution)
+
+
 @dataclass(frozen=True)
 class Puzzle:
     puzzle: str

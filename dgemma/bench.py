@@ -1,0 +1,453 @@
+"""Diffusion or autoregressive decoding, on this machine? Measurements behind `dgemma bench`.
+
+A denoising step processes a whole canvas (C tokens) in one forward; decoding autoregressively processes
+one token per forward. Where a forward costs about the same for 1 or C tokens (a GPU at batch 1, bound by
+reading the weights), a canvas that settles in S steps makes C tokens for S + 1 forwards, and diffusion
+wins by up to C / S. Where compute is the limit (a CPU), a step costs nearly C times a token and
+autoregressive decoding wins. This module measures, on the current device and weights:
+
+- prefill, time per denoising step (sampler included), the commit of a canvas, and tokens/s and time to
+  first token at several fixed steps per canvas (the adaptive stop switched off);
+- the same weights decoding greedily token by token (tokens/s, time to first token);
+- with trained weights, the steps per canvas the entropy-bound sampler actually takes on a prompt;
+- the crossover: steps per canvas below which diffusion is faster here;
+- limit accounting: bytes of weights (and KV cache) one step reads, FLOPs, and what that means in
+  achieved GB/s and FLOP/s next to this device's measured (and, for known GPUs, nominal) peaks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .ar import generate_ar
+from .config import DiffusionGemmaConfig, count_parameters, preset
+from .generate import generate
+from .model import DiffusionGemma
+
+# Nominal peaks of common GPUs (memory bandwidth in bytes/s, dense bf16 tensor FLOP/s), from the vendors'
+# data sheets; matched against torch.cuda.get_device_name() by substring, most specific first.
+GPU_PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (4.8e12, 989e12),
+    "H100 PCIe": (2.0e12, 756e12),
+    "H100": (3.35e12, 989e12),
+    "A100-SXM4-80GB": (2.04e12, 312e12),
+    "A100 80GB PCIe": (1.94e12, 312e12),
+    "A100": (1.56e12, 312e12),
+    "L40S": (0.864e12, 362e12),
+    "L4": (0.3e12, 121e12),
+    "A10": (0.6e12, 125e12),
+    "RTX 4090": (1.008e12, 165e12),
+    "RTX 3090": (0.936e12, 71e12),
+}
+
+# Tokens per forward of the released model after its second training stage, by the published summaries
+# (about 20): the steps per 256-token canvas a user of the real model can expect.
+RELEASED_STEPS_PER_CANVAS = 256 / 20
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_model(
+    name: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quant: str | None = None,
+    group_size: int = 64,
+    seed: int = 0,
+) -> DiffusionGemma:
+    """A preset with random weights, built directly on `device` in `dtype` (no full-precision copy first,
+    so the 26B preset fits a GPU that holds its bf16 weights). Refuses clearly when it cannot fit."""
+    config = preset(name)
+    device = torch.device(device)
+    need = count_parameters(config)["total"] * torch.tensor([], dtype=dtype).element_size()
+    free = _free_memory(device)
+    if free is not None and need > 0.95 * free:
+        raise ValueError(
+            f"preset {name!r} needs {need / 2**30:.1f} GiB of weights in {dtype} but {device} has "
+            f"{free / 2**30:.1f} GiB free; choose a smaller preset, --dtype bf16, or another device"
+        )
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    if quant:
+        from .quant import quantize_model
+
+        quantize_model(model, quant, group_size)
+    return model.eval()
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# What a forward reads and computes
+
+
+def step_flops(config: DiffusionGemmaConfig, tokens: int, prefix: int, *, diffusion: bool = True) -> float:
+    """FLOPs (2 x multiply-adds) of one forward of `tokens` tokens after `prefix` cached positions: every
+    active weight matrix once per token, the LM head (and, for a denoising step, the self-conditioning
+    soft embedding: another vocabulary x hidden product) and attention."""
+    t = config.text_config
+    embedding = t.vocab_size * t.hidden_size
+    flops = 2 * tokens * (count_parameters(config)["active"] - embedding)
+    flops += 2 * tokens * embedding * (2 if diffusion else 1)
+    for spec in t.layers:
+        keys = (min(prefix, t.sliding_window - 1) if spec.is_sliding else prefix) + tokens
+        flops += 2 * 2 * tokens * keys * t.num_attention_heads * spec.head_dim
+    return float(flops)
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+@torch.no_grad()
+def step_bytes(model: DiffusionGemma, run, skip: int = 0) -> dict[str, int]:
+    """Bytes the last forward of `run()` reads: the weights (an expert only if a token was routed to it;
+    the tied embedding once per use, as `run` reports: the LM head, and the soft embedding of a denoising
+    step) and the KV cache. `run()` returns (uses of the embedding, KV bytes read); the routers' first
+    `skip` calls (an encode before the measured forward) are not counted."""
+    from .model import Experts, Router
+    from .quant.modules import QuantExperts
+
+    calls: list[int] = []
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: calls.append(int(torch.unique(out[1]).numel()))) for m in routers
+    ]
+    try:
+        uses, kv = run()
+    finally:
+        for h in handles:
+            h.remove()
+    experts = [m for m in model.modules() if isinstance(m, Experts | QuantExperts)]
+    hit = calls[skip:]
+    e = model.text_config.num_experts or 1
+    expert_bytes = sum(_tensor_bytes(m) * n // e for m, n in zip(experts, hit, strict=True))
+    embedding = _tensor_bytes(model.embed_tokens)
+    other = _tensor_bytes(model) - embedding - sum(_tensor_bytes(m) for m in experts)
+    weights = other + expert_bytes + uses * embedding
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+# ------------------------------------------------------------------------------------------------
+# Machine peaks
+
+
+def machine_peaks(device: torch.device, dtype: torch.dtype) -> dict:
+    """This device's measured copy bandwidth and matmul rate (in the model's dtype), and its nominal
+    bandwidth and bf16 rate when it is a known GPU."""
+    device = torch.device(device)
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)  # bytes copied per trial
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = _best_of(lambda: dst.copy_(src), device, 5)
+    size = 4096 if device.type == "cuda" else 1024
+    mm_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+    a = torch.randn(size, size, device=device, dtype=mm_dtype)
+    a @ a
+    mm_s = _best_of(lambda: a @ a, device, 5)
+    out = {
+        "device": device_name(device),
+        "copy_gbps": 2 * n / copy_s / 1e9,  # read + write
+        "matmul_tflops": 2 * size**3 / mm_s / 1e12,
+        "matmul_dtype": str(mm_dtype).replace("torch.", ""),
+        "nominal_gbps": None,
+        "nominal_bf16_tflops": None,
+    }
+    if device.type == "cuda":
+        for key, (bandwidth, flops) in GPU_PEAKS.items():
+            if key in out["device"]:
+                out["nominal_gbps"], out["nominal_bf16_tflops"] = bandwidth / 1e9, flops / 1e12
+                break
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({torch.get_num_threads()} threads)"
+
+
+def _best_of(fn, device: torch.device, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+@dataclass
+class Point:
+    steps: int  # denoising steps per canvas (fixed)
+    seconds_per_canvas: float  # measured, prefill excluded, commit included
+    tokens_per_s: float
+    time_to_first_token: float  # prefill + the first canvas
+
+
+@dataclass
+class BenchResult:
+    device: str
+    params: int
+    active_params: int
+    dtype: str
+    quant: str | None
+    canvas: int
+    prompt_tokens: int
+    prefill_s: float
+    step_s: float  # fitted: seconds per denoising step (sampler included)
+    canvas_overhead_s: float  # fitted: per canvas beyond its steps (the commit, mostly)
+    points: list[Point]
+    ar_tokens_per_s: float
+    ar_time_to_first_token: float
+    crossover_steps: float  # diffusion is faster below this many steps per canvas
+    sampler_steps: float | None  # steps per canvas the sampler took (trained weights only)
+    sampler_tokens_per_s: float | None
+    step_bytes: dict[str, int]
+    step_flops: float
+    ar_token_bytes: dict[str, int]
+    ar_token_flops: float
+    peaks: dict = field(default_factory=dict)
+    recommendation: str = ""
+
+    @property
+    def step_gbps(self) -> float:
+        return self.step_bytes["total"] / self.step_s / 1e9
+
+    @property
+    def step_tflops(self) -> float:
+        return self.step_flops / self.step_s / 1e12
+
+    def tokens_per_s_at(self, steps: float) -> float:
+        """Diffusion tokens/s at `steps` steps per canvas, from the fitted step and overhead times."""
+        return self.canvas / (steps * self.step_s + self.canvas_overhead_s)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.update(step_gbps=self.step_gbps, step_tflops=self.step_tflops)
+        return out
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y = slope * x + intercept."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("need at least two different step counts to fit the time per step")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, my - slope * mx
+
+
+def crossover(canvas: int, step_s: float, overhead_s: float, ar_tokens_per_s: float) -> float:
+    """Steps per canvas at which diffusion's tokens/s equals autoregressive decoding's (may be <= 0:
+    autoregressive decoding is faster even at one step)."""
+    return (canvas / ar_tokens_per_s - overhead_s) / step_s
+
+
+def recommend(result: BenchResult) -> str:
+    """One sentence: which decoding mode to use here, and why."""
+    s_star = result.crossover_steps
+    if s_star < 1:
+        return (
+            "autoregressive: on this device a denoising step costs more than a whole canvas of AR tokens, "
+            "so diffusion is slower at any step count"
+        )
+    if result.sampler_steps is not None:
+        ratio = result.tokens_per_s_at(result.sampler_steps) / result.ar_tokens_per_s
+        mode = "diffusion" if result.sampler_steps < s_star else "autoregressive"
+        return (
+            f"{mode}: the sampler took {result.sampler_steps:.1f} steps per canvas on this model, and diffusion "
+            f"is faster below {s_star:.1f} (diffusion at {ratio:.2f}x AR's tokens/s)"
+        )
+    expected = RELEASED_STEPS_PER_CANVAS * result.canvas / 256
+    mode = "diffusion" if expected < s_star else "autoregressive"
+    return (
+        f"{mode} for a model that settles like the released one (~{expected:.0f} steps per canvas, about 20 "
+        f"tokens per forward): diffusion is faster here below {s_star:.1f} steps per canvas (random weights: "
+        "measure a trained model's own steps with --model)"
+    )
+
+
+def _timed(fn, device: torch.device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def run_bench(
+    model: DiffusionGemma,
+    *,
+    steps: list[int],
+    prompt_tokens: int = 64,
+    canvases: int = 2,
+    ar_tokens: int | None = None,
+    repeats: int = 3,
+    sampler_prompt: list[int] | None = None,
+    progress=None,
+) -> BenchResult:
+    """Measure `model` as it is (accelerate it first for the fast paths). `steps`: fixed steps per canvas
+    to measure; `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights)."""
+    if len(set(steps)) < 2 or min(steps) < 1:
+        raise ValueError(f"give at least two different step counts >= 1 (got {steps})")
+    device = model.device
+    c = model.config.canvas_length
+    vocab = model.text_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(min(8, vocab - 1), vocab, (prompt_tokens,), generator=g).tolist()
+    ar_tokens = ar_tokens or c
+    tell = progress or (lambda text: None)
+
+    def diffusion(n: int, max_new: int):
+        return generate(
+            model,
+            prompt,
+            max_new_tokens=max_new,
+            max_denoising_steps=n,
+            confidence_threshold=1e-30,  # never stop early: exactly n steps per canvas
+            stop_token_ids=[],
+            seed=0,
+        )
+
+    def ar(n: int):
+        return generate_ar(model, prompt, n, stop_token_ids=[])
+
+    # Warm-up (lazy initialisation, graph capture), then prefill alone.
+    tell("warming up")
+    diffusion(min(steps), c)
+    ar(4)
+    room = prompt_tokens + 2 * c
+    prompt_ids = torch.tensor([prompt], device=device)
+
+    def prefill():
+        model.encode(prompt_ids, model.new_cache(1, room))
+
+    prefill_s = statistics.median(_timed(prefill, device) for _ in range(max(3, repeats)))
+    # Round robin over the step counts, so that a slow spell of a shared machine hits all alike.
+    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in steps}
+    ar_samples: list[tuple[float, float]] = []
+    for r in range(repeats):
+        for n in steps:
+            tell(f"diffusion, {n} steps per canvas (round {r + 1}/{repeats})")
+            synchronize(device)
+            result = diffusion(n, canvases * c)
+            synchronize(device)
+            samples[n].append((result.stats.elapsed, result.stats.time_to_first_token or result.stats.elapsed))
+        tell(f"autoregressive, {ar_tokens} tokens (round {r + 1}/{repeats})")
+        result = ar(ar_tokens)
+        synchronize(device)
+        ar_samples.append((result.stats.elapsed, result.stats.time_to_first_token or result.stats.elapsed))
+    points = []
+    for n in steps:
+        elapsed = statistics.median(e for e, _ in samples[n])
+        per_canvas = max(elapsed - prefill_s, 1e-9) / canvases
+        ttft = statistics.median(t for _, t in samples[n])
+        points.append(Point(n, per_canvas, c / per_canvas, ttft))
+    step_s, overhead_s = fit_line([p.steps for p in points], [p.seconds_per_canvas for p in points])
+    step_s = max(step_s, 1e-9)
+    ar_elapsed = statistics.median(e for e, _ in ar_samples)
+    ar_tps = ar_tokens / max(ar_elapsed - prefill_s, 1e-9)
+    ar_ttft = statistics.median(t for _, t in ar_samples)
+
+    sampler_steps = sampler_tps = None
+    if sampler_prompt is not None:
+        tell("the sampler's own steps per canvas")
+        result = generate(model, sampler_prompt, max_new_tokens=canvases * c, seed=0)
+        per_row = result.stats.steps_per_canvas[0]
+        sampler_steps = statistics.fmean(per_row) if per_row else None
+        sampler_tps = result.stats.tokens_per_second
+
+    tell("counting bytes per step")
+    from .model import Router
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    prefix = prompt_tokens
+    canvas_ids = torch.randint(0, vocab, (1, c), generator=g).to(device)
+
+    def one_step():
+        cache = model.new_cache(1, room)
+        model.encode(prompt_ids, cache)
+        model.denoise(canvas_ids, cache)
+        return 2, _kv_read_bytes(cache)
+
+    def one_token():
+        cache = model.new_cache(1, room)
+        model.encode(prompt_ids, cache)
+        kv = _kv_read_bytes(cache)
+        model.encode(prompt_ids[:, :1], cache, return_logits=True)
+        return 1, kv
+
+    bytes_step = step_bytes(model, one_step, skip=len(routers))
+    bytes_token = step_bytes(model, one_token, skip=len(routers))
+    result = BenchResult(
+        device=device_name(device),
+        params=count_parameters(model.config)["total"],
+        active_params=count_parameters(model.config)["active"],
+        dtype=str(model.dtype).replace("torch.", ""),
+        quant=_quant_mode(model),
+        canvas=c,
+        prompt_tokens=prompt_tokens,
+        prefill_s=prefill_s,
+        step_s=step_s,
+        canvas_overhead_s=max(overhead_s, 0.0),
+        points=points,
+        ar_tokens_per_s=ar_tps,
+        ar_time_to_first_token=ar_ttft,
+        crossover_steps=0.0,
+        sampler_steps=sampler_steps,
+        sampler_tokens_per_s=sampler_tps,
+        step_bytes=bytes_step,
+        step_flops=step_flops(model.config, c, prefix),
+        ar_token_bytes=bytes_token,
+        ar_token_flops=step_flops(model.config, 1, prefix, diffusion=False),
+    )
+    result.crossover_steps = crossover(c, step_s, result.canvas_overhead_s, ar_tps)
+    result.recommendation = recommend(result)
+    return result
+
+
+def _kv_read_bytes(cache) -> int:
+    """Bytes of cached keys and values a forward after the current contents reads."""
+    total = 0
+    for i, sliding in enumerate(cache.is_sliding):
+        n = cache._num_cached(sliding)
+        k = cache.keys[i]
+        total += 2 * k.shape[0] * k.shape[1] * n * k.shape[3] * k.element_size()
+    return total
+
+
+def _quant_mode(model: DiffusionGemma) -> str | None:
+    for m in model.modules():
+        mode = getattr(m, "mode", None)
+        if isinstance(mode, str) and type(m).__name__.startswith("Quant"):
+            return mode
+    return None

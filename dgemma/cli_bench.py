@@ -1,0 +1,229 @@
+"""`dgemma bench`: diffusion or autoregressive decoding, which wins on this hardware? (see dgemma/bench.py)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CPU_STEPS = "1,2,4,8,16,32"
+CUDA_STEPS = "2,4,8,12,16,20,32,48"
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"steps must be comma-separated integers (got {text!r})") from None
+    if len(set(values)) < 2 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"give at least two different step counts >= 1 (got {text!r})")
+    return sorted(set(values))
+
+
+def load_for_bench(args: argparse.Namespace):
+    """The model to measure: a preset with random weights, or a checkpoint (default: the shipped code
+    model); accelerated unless --no-accelerate. Returns (model, tokenizer or None, what it is)."""
+    import torch
+
+    from .bench import random_model
+    from .fast import accelerate
+    from .weights import resolve_dtype
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.preset:
+        if not args.random_weights:
+            raise ValueError("presets have no trained weights: add --random-weights (or give --model DIR)")
+        dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "fp32" if device == "cpu" else "bf16")
+        model = random_model(args.preset, device=device, dtype=dtype, quant=args.quant, group_size=args.group_size)
+        tokenizer, label = None, f"preset {args.preset} (random weights)"
+    else:
+        if args.random_weights:
+            raise ValueError("--random-weights goes with --preset")
+        from .cli_generate import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(args)
+        label = str(args.model)
+    if args.no_accelerate:
+        from .fast import restore
+
+        restore(model)
+    else:
+        accelerate(model, graphs=False if args.no_graphs else None)
+    return model, tokenizer, label
+
+
+def format_table(r, label: str) -> str:
+    """The human-readable report of a BenchResult."""
+    lines = [
+        f"model: {label}, {r.params / 1e6:,.1f}M parameters ({r.active_params / 1e6:,.1f}M active), {r.dtype}"
+        + (f", {r.quant} weights" if r.quant else ""),
+        f"device: {r.device}; canvas {r.canvas} tokens, prompt {r.prompt_tokens} tokens, batch 1",
+        "",
+        f"{'decoding':28s} {'s/canvas':>9s} {'tokens/s':>9s} {'TTFT s':>8s} {'vs AR':>7s}",
+    ]
+    for p in r.points:
+        lines.append(
+            f"{'diffusion, ' + str(p.steps) + ' steps/canvas':28s} {p.seconds_per_canvas:9.3f} "
+            f"{p.tokens_per_s:9.1f} {p.time_to_first_token:8.3f} {p.tokens_per_s / r.ar_tokens_per_s:6.2f}x"
+        )
+    if r.sampler_steps is not None:
+        lines.append(
+            f"{'diffusion, sampler decides':28s} {'':9s} {r.sampler_tokens_per_s:9.1f} {'':8s} "
+            f"{r.sampler_tokens_per_s / r.ar_tokens_per_s:6.2f}x   ({r.sampler_steps:.1f} steps per canvas)"
+        )
+    lines.append(f"{'autoregressive (greedy)':28s} {'':9s} {r.ar_tokens_per_s:9.1f} {r.ar_time_to_first_token:8.3f}")
+    lines += [
+        "",
+        f"time per denoising step {1000 * r.step_s:.2f} ms (sampler included; fit over the step counts), "
+        f"per canvas beyond its steps {1000 * r.canvas_overhead_s:.2f} ms, prefill {1000 * r.prefill_s:.2f} ms",
+        f"a step reads {r.step_bytes['weights'] / 1e9:.3f} GB of weights + {r.step_bytes['kv_cache'] / 1e9:.4f} GB "
+        f"of KV cache and does {r.step_flops / 1e9:.1f} GFLOP: {r.step_gbps:.1f} GB/s, "
+        f"{r.step_tflops * 1000:.1f} GFLOP/s achieved",
+    ]
+    pk = r.peaks
+    if pk:
+        limit = (
+            f"this device: copy {pk['copy_gbps']:.1f} GB/s, {pk['matmul_dtype']} matmul "
+            f"{pk['matmul_tflops'] * 1000:.0f} GFLOP/s (measured)"
+        )
+        if pk.get("nominal_gbps"):
+            limit += f"; nominal {pk['nominal_gbps']:.0f} GB/s, {pk['nominal_bf16_tflops']:.0f} TFLOP/s bf16"
+        lines.append(limit)
+        bound = r.step_bytes["total"] / (1e9 * (pk.get("nominal_gbps") or pk["copy_gbps"]))
+        lines.append(
+            f"a step's weight-read bound: {1000 * bound:.2f} ms; measured {1000 * r.step_s:.2f} ms = "
+            f"{r.step_s / bound:.1f}x the bound; compute share {r.step_tflops / pk['matmul_tflops']:.0%} of the "
+            "measured matmul rate"
+        )
+    lines += [
+        "",
+        f"crossover: diffusion is faster than AR here below {r.crossover_steps:.1f} steps per canvas",
+        f"recommendation: {r.recommendation}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(r, path: Path, label: str) -> None:
+    """tokens/s against steps per canvas: measured points, the fitted curve, the AR line, the crossover."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(max(p.steps for p in r.points), 48)
+    xs = [1 + i * (top - 1) / 200 for i in range(201)]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(xs, [r.tokens_per_s_at(x) for x in xs], color="tab:blue", alpha=0.5, label="diffusion (fit)")
+    ax.plot([p.steps for p in r.points], [p.tokens_per_s for p in r.points], "o", color="tab:blue", label="diffusion")
+    ax.axhline(r.ar_tokens_per_s, color="tab:red", ls="--", label=f"autoregressive ({r.ar_tokens_per_s:.0f} tok/s)")
+    if 1 <= r.crossover_steps <= top:
+        ax.axvline(r.crossover_steps, color="gray", ls=":", label=f"crossover {r.crossover_steps:.1f} steps")
+    if r.sampler_steps is not None:
+        ax.plot([r.sampler_steps], [r.sampler_tokens_per_s], "*", ms=12, color="tab:green", label="sampler decides")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("denoising steps per canvas")
+    ax.set_ylabel("tokens / s (batch 1)")
+    ax.set_title(f"{label}\n{r.device}, {r.dtype}" + (f", {r.quant}" if r.quant else ""), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import machine_peaks, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, label = load_for_bench(args)
+    steps = args.steps or _steps(CUDA_STEPS if model.device.type == "cuda" else CPU_STEPS)
+    sampler_prompt = None
+    if tokenizer is not None:
+        sampler_prompt = tokenizer.encode(args.sampler_prompt)
+    show = sys.stderr.isatty() and not args.quiet
+
+    def progress(text: str) -> None:
+        if not args.quiet:
+            print(f"\r\033[2K{text}" if show else text, end="" if show else "\n", file=sys.stderr, flush=True)
+
+    result = run_bench(
+        model,
+        steps=steps,
+        prompt_tokens=args.prompt_length,
+        canvases=args.canvases,
+        ar_tokens=args.ar_tokens,
+        repeats=args.repeats,
+        sampler_prompt=sampler_prompt,
+        progress=progress,
+    )
+    progress("measuring the device's peaks")
+    result.peaks = machine_peaks(model.device, model.dtype)
+    if show:
+        print("\r\033[2K", end="", file=sys.stderr)
+    print(format_table(result, label))
+    out = result.to_json() | {"benchmark": "dgemma_bench", "model": label}
+    if args.plot:
+        try:
+            plot(result, args.plot, label)
+            print(f"plot: {args.plot}")
+            out["plot"] = str(args.plot)
+        except ImportError:
+            print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        tmp.replace(args.json_out)
+    print(json.dumps(out))
+    return 0
+
+
+def register(sub) -> None:
+    from .cli_generate import add_model_args
+    from .config import PRESETS
+
+    s = sub.add_parser(
+        "bench",
+        help="measure diffusion vs autoregressive decoding on this hardware, and say which to use",
+        description="Measure, on this device and these weights, diffusion decoding (time per denoising step, "
+        "tokens/s and time to first token at fixed steps per canvas, and with trained weights the steps the "
+        "sampler takes) against autoregressive decoding of the same weights; print a table, the crossover "
+        "(steps per canvas below which diffusion wins here), a recommendation, the bytes and FLOPs a step "
+        "needs with the achieved GB/s and FLOP/s, a PNG plot and one JSON line. Default model: the shipped "
+        "code model; --preset NAME --random-weights measures an architecture without its weights (the "
+        "26b-a4b preset needs a GPU with ~55 GB free in bf16). About a minute on 2 CPU cores for the small "
+        "preset.",
+    )
+    add_model_args(s)
+    s.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (with --random-weights)")
+    s.add_argument("--random-weights", action="store_true", help="random weights for --preset (speed only)")
+    s.add_argument(
+        "--steps",
+        type=_steps,
+        default=None,
+        help=f"fixed steps per canvas to measure, comma-separated (default: {CPU_STEPS} on CPU, {CUDA_STEPS} on CUDA)",
+    )
+    s.add_argument("--prompt-length", type=int, default=64, help="prompt tokens (default 64)")
+    s.add_argument("--canvases", type=int, default=2, help="canvases per diffusion run (default 2)")
+    s.add_argument("--ar-tokens", type=int, default=None, help="tokens per AR run (default: one canvas)")
+    s.add_argument("--repeats", type=int, default=2, help="runs of each setting; the median is kept (default 2)")
+    s.add_argument(
+        "--sampler-prompt",
+        default="def parse(text):\n",
+        help="text the sampler generates from to find its own steps per canvas (trained weights only)",
+    )
+    s.add_argument("--plot", type=Path, default=Path("bench.png"), help="PNG plot path (default bench.png)")
+    s.add_argument("--json-out", type=Path, default=None, help="also write the JSON result to this file")
+    s.add_argument("--no-accelerate", action="store_true", help="measure the reference forward paths")
+    s.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (the other fast paths stay)")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    s.set_defaults(func=cmd_bench)
