@@ -25,7 +25,8 @@ from _measure import matmul_gflops, peak_tensor_mb
 
 import dgemma
 from dgemma.ar import generate_ar
-from dgemma.config import DiffusionGemmaConfig, preset
+from dgemma.bench import step_flops
+from dgemma.config import preset
 from dgemma.fast import accelerate, restore
 from dgemma.testing import TINY_VISION, load_quiet
 
@@ -34,19 +35,6 @@ SIZES = {
     "tiny": dict(preset="tiny", canvas=32, steps=16, prompt=32, canvases=2, repeats=9),
     "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=3),
 }
-
-
-def denoise_flops(config: DiffusionGemmaConfig, canvas: int, prefix: int) -> float:
-    """Multiply-adds x 2 of one denoising step of one canvas: matmuls, LM head, soft embedding, attention."""
-    t = config.text_config
-    counts = dgemma.count_parameters(config)
-    embedding = t.vocab_size * t.hidden_size
-    flops = 2 * canvas * (counts["active"] - embedding)  # every active weight matrix once per token
-    flops += 2 * 2 * canvas * embedding  # LM head and the self-conditioning soft embedding
-    for spec in t.layers:
-        keys = (min(prefix, t.sliding_window - 1) if spec.is_sliding else prefix) + canvas
-        flops += 2 * 2 * canvas * keys * t.num_attention_heads * spec.head_dim
-    return float(flops)
 
 
 def build_pair(size: dict, directory: Path):
@@ -124,7 +112,7 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
             "peak_mb": peaks.get(engine),
             "warmup_s": warmups[engine],
         }
-    flops = denoise_flops(model.config, c, size["prompt"] + c)
+    flops = step_flops(model.config, c, size["prompt"] + c)
     for r in rows.values():
         r["gflops"] = flops / (r["ms_per_step"] / 1000) / 1e9
         r["speedup"] = rows["transformers"]["ms_per_step"] / r["ms_per_step"]

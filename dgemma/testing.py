@@ -93,6 +93,43 @@ def make_oracle_checkpoint(path: str | Path, **kwargs: Any):
     return model
 
 
+def oracle_from_config(config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A transformers DiffusionGemmaForBlockDiffusion of any dgemma config (a preset, say), built directly on
+    `device` in `dtype` with transformers' own random initialisation, and a tiny vision tower."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
+
+    text = config.text_config.to_dict()
+    text.pop("model_type")
+    hf = DiffusionGemmaConfig(
+        text_config=DiffusionGemmaTextConfig(**text), vision_config=TINY_VISION, canvas_length=config.canvas_length
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DiffusionGemmaForBlockDiffusion(hf)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def model_sharing_oracle_weights(oracle, config):
+    """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
+    side-by-side speed measurements of models too large to hold twice."""
+    from .model import DiffusionGemma
+    from .weights import ENC, _hf_name
+
+    theirs = oracle.state_dict()
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    state = {}
+    for name in model.state_dict():
+        hf = _hf_name(name)
+        state[name] = theirs[hf] if hf in theirs else theirs[ENC + name]
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
 def load_quiet(path: str | Path, **kwargs: Any):
     """dgemma.load without the expected notice about the tiny vision tower of oracle checkpoints."""
     import warnings
