@@ -83,7 +83,11 @@ def experts_grouped(self: Experts, x: torch.Tensor, weights: torch.Tensor, index
     e = self.gate_up_proj.shape[0]
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)  # where each expert's rows end
+    # Rows per expert by scatter-add, not bincount: bincount sizes its output from the data (a host sync).
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
+    offs = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
     xs = x[order // k]
     gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
     out = grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs).float()

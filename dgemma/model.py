@@ -56,7 +56,8 @@ class RMSNorm(nn.Module):
 
 def embed_scale(hidden_size: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
     """sqrt(M) as an fp32 scalar rounded to `dtype`, as the reference does (sqrt(3072) is 55.5 in bf16)."""
-    return torch.tensor(hidden_size**0.5, dtype=torch.float32, device=device).to(dtype)
+    # torch.full, not torch.tensor: no host-to-device copy, so a CUDA graph can record it.
+    return torch.full((), hidden_size**0.5, dtype=torch.float32, device=device).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------
