@@ -22,7 +22,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.no_resume:
         cfg.train.resume = False
     try:
-        result = train(cfg)
+        if cfg.stage2 is not None:
+            from .train.stage2 import train_stage2
+
+            result = train_stage2(cfg)
+        else:
+            result = train(cfg)
     except TrainingDiverged as e:
         print(f"dgemma train: {e}", file=sys.stderr)
         return 3

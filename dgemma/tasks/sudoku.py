@@ -64,6 +64,13 @@ def conflicts(grid: str) -> list[tuple[int, int]]:
     return out
 
 
+def units_complete(grid: str) -> float:
+    """The share of the 27 rows, columns and boxes that hold the nine digits exactly once."""
+    units = [[9 * r + c for c in range(9)] for r in range(9)] + [[9 * r + c for r in range(9)] for c in range(9)]
+    units += [[9 * (3 * br + r) + 3 * bc + c for r in range(3) for c in range(3)] for br in range(3) for bc in range(3)]
+    return sum(sorted(grid[i] for i in unit) == list(DIGITS) for unit in units) / 27
+
+
 def is_solution(grid: str, puzzle: str | None = None) -> bool:
     """A complete, valid grid (that keeps the puzzle's clues, when given)."""
     if len(grid) != 81 or any(ch not in DIGITS for ch in grid) or conflicts(grid):

@@ -82,6 +82,26 @@ class TrainSection:
 
 
 @dataclass
+class Stage2Section:
+    """Stage 2 (dgemma/train/stage2.py): RL with verifiable rewards combined with sampler distillation."""
+
+    reward: str = "sudoku"  # the verifier: sudoku (solved, clues kept) | match (the infill equals the record's)
+    prompts_per_step: int = 8
+    group_size: int = 4  # canvases sampled per prompt (the GRPO group)
+    rl_weight: float = 1.0
+    distill_weight: float = 1.0
+    clip: float = 0.2
+    kl_coef: float = 0.02
+    states_per_trajectory: int = 4  # sampler states per rollout used by the distillation loss
+    sampling: dict[str, Any] = field(default_factory=dict)  # the student's sampler (SamplingParams fields)
+    teacher_sampling: dict[str, Any] = field(
+        default_factory=lambda: {"sampler": "fixed", "tokens_per_step": 2, "max_denoising_steps": 64}
+    )
+    teacher_threshold: float = 1.0  # a teacher canvas is a target only with at least this reward
+    eval_prompts: int = 64  # evaluation rollouts (on data.eval) at train.eval_every and at the end
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection
     data: DataSection
@@ -89,6 +109,7 @@ class TrainConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     lora: LoraSection | None = None
     optim: OptimSection = field(default_factory=OptimSection)
+    stage2: Stage2Section | None = None
     base_dir: Path = field(default=Path("."), repr=False)  # paths in the file are relative to it
 
     def __post_init__(self) -> None:
@@ -112,6 +133,21 @@ class TrainConfig:
             errors.append("optim: lr and grad_clip must be > 0, min_lr_ratio in [0, 1]")
         if len(self.optim.betas) != 2 or not all(0 <= b < 1 for b in self.optim.betas):
             errors.append("optim.betas must be two numbers in [0, 1)")
+        if self.stage2 is not None:
+            s2 = self.stage2
+            from .rl import REWARDS
+
+            if s2.reward not in REWARDS:
+                errors.append(f"stage2.reward must be one of {sorted(REWARDS)} (got {s2.reward!r})")
+            for name in ("prompts_per_step", "group_size", "states_per_trajectory", "eval_prompts"):
+                if getattr(s2, name) <= 0:
+                    errors.append(f"stage2.{name} must be > 0")
+            if s2.rl_weight < 0 or s2.distill_weight < 0 or s2.rl_weight + s2.distill_weight == 0:
+                errors.append("stage2: rl_weight and distill_weight must be >= 0, not both 0")
+            if s2.rl_weight > 0 and s2.group_size < 2:
+                errors.append("stage2.group_size must be >= 2 for RL (advantages compare a group's members)")
+            if self.lora is not None:
+                errors.append("stage2 trains full models (no lora section)")
         if errors:
             raise ValueError("invalid training config: " + "; ".join(errors))
 
@@ -163,6 +199,7 @@ _SECTIONS = {
     "objective": ObjectiveConfig,
     "lora": LoraSection,
     "optim": OptimSection,
+    "stage2": Stage2Section,
 }
 
 

@@ -1,0 +1,180 @@
+"""Stage 2, part 1: sampler distillation on the model's own trajectories.
+
+What is distilled, and why. At inference the entropy-bound sampler accepts, at every step, the positions
+whose predictive entropy is low enough; a canvas needs few steps when the model is confident early. Stage 1
+trains on canvases corrupted at random (each position replaced with probability t), which are not the
+states the sampler produces: there, the accepted positions are already the model's own choices, the rest
+are fresh noise, and a self-conditioning signal from the previous step is always present. Here the student
+is trained on exactly those states (recorded while its sampler runs, `rollout`), and its target at every
+state is the canvas a *teacher* finally committed: the stage-1 model run with a slower, more careful
+sampler (a stricter entropy bound, or a fixed number of tokens per step, and more steps), kept only where
+a verifier accepts it (the puzzle is solved; the infill matches). Learning to predict, from an early
+state, what the careful teacher ends with makes the student confident sooner (more tokens accepted per
+forward) without moving its answers away from verified ones.
+
+This combines self-distillation through time (SDTT, Deschenaux & Gulcehre, arXiv 2410.21035: a student
+matches, in fewer steps, what a teacher reaches in more) with on-policy states (the student's own sampler
+trajectories, as in Di[M]O, arXiv 2503.15457, and the consistency idea of Duo's DCD, arXiv 2506.10892:
+every state along a trajectory is mapped to the trajectory's end), and with rejection-sampling filters by
+a verifiable reward. The loss is the stage-1 flat cross-entropy, only the states differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..generate import DenoiseCall, prepare
+from ..model import DiffusionGemma
+
+
+@dataclass
+class Trajectory:
+    """One row's denoising run: the states its sampler fed to the model, and what it committed."""
+
+    prompt: list[int]
+    final: list[int]  # the committed canvas (C tokens)
+    pinned: torch.Tensor  # [C] bool
+    steps: int  # denoising steps the canvas took
+    states: list[torch.Tensor] = field(default_factory=list)  # [C] canvas tokens at each step
+    signals: list[torch.Tensor | None] = field(default_factory=list)  # [C, M] self-conditioning input or None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens the canvas produced (pinned ones excluded) per denoising step."""
+        return float((~self.pinned).sum()) / max(1, self.steps)
+
+
+def pins_for(records_pinned: list[list[int] | None], completions: list[list[int]], canvas: int) -> torch.Tensor:
+    """The `pins` tensor of dgemma.generate for single-canvas records: the completion's token where the
+    record pins a position, -1 elsewhere."""
+    pins = torch.full((len(completions), canvas), -1, dtype=torch.long)
+    for i, (flags, ids) in enumerate(zip(records_pinned, completions, strict=True)):
+        for j, flag in enumerate((flags or [])[:canvas]):
+            if flag:
+                pins[i, j] = ids[j]
+    return pins
+
+
+@torch.no_grad()
+def rollout(
+    model: DiffusionGemma,
+    prompts: list[list[int]],
+    pins: torch.Tensor,
+    *,
+    record: bool = True,
+    seed: int = 0,
+    **sampling,
+) -> list[Trajectory]:
+    """Run the model's sampler on one canvas per prompt (fast mode, pinned positions kept) and record, per
+    row, every state the model was given. `sampling`: SamplingParams fields (max_denoising_steps,
+    entropy_bound, sampler, ...)."""
+    c = model.config.canvas_length
+    loop = prepare(model, prompts, pins=pins, max_new_tokens=c, stop_token_ids=[], seed=seed, **sampling)
+    b = len(prompts)
+    states: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    signals: list[list[torch.Tensor | None]] = [[] for _ in range(b)]
+    reply, result = None, None
+    while True:
+        try:
+            item = loop.send(reply)
+        except StopIteration:
+            break
+        if isinstance(item, DenoiseCall):
+            rows = item.cache._rows
+            rows = list(range(b)) if rows is None else rows.tolist()
+            if record:
+                for k, r in enumerate(rows):
+                    states[r].append(item.tokens[k].cpu())
+                    sc = item.self_conditioning_embeds
+                    signals[r].append(None if sc is None else sc[k].cpu())
+            reply = model.denoise(
+                item.tokens,
+                item.cache,
+                self_conditioning_logits=item.self_conditioning_logits,
+                self_conditioning_embeds=item.self_conditioning_embeds,
+            )
+        else:
+            reply = None
+            if type(item).__name__ == "DoneEvent":
+                result = item.result
+    assert result is not None, "the canvas loop ended without a result"
+    out = []
+    for i in range(b):
+        final = result.sequences[i, :c].tolist()
+        steps = result.stats.steps_per_canvas[i][0] if result.stats.steps_per_canvas[i] else 0
+        out.append(Trajectory(prompts[i], final, pins[i] >= 0, steps, states[i], signals[i]))
+    return out
+
+
+def distillation_loss(
+    model: DiffusionGemma,
+    trajectories: list[Trajectory],
+    targets: list[list[int] | None],
+    *,
+    states_per_trajectory: int = 4,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy of the model, at states drawn from the trajectories (with their recorded
+    self-conditioning signals), against the target canvases; rows without a target are skipped. Returns
+    (loss, number of states used)."""
+    items = []
+    for traj, target in zip(trajectories, targets, strict=True):
+        if target is None or not traj.states:
+            continue
+        n = len(traj.states)
+        picks = torch.randperm(n, generator=generator)[: min(states_per_trajectory, n)].tolist()
+        for s in picks:
+            items.append((traj, target, s))
+    if not items:
+        return torch.zeros((), device=model.device, requires_grad=True), 0
+    device = model.device
+    c = model.config.canvas_length
+    prompt_len = max(len(t.prompt) for t, _, _ in items)
+    pad = model.text_config.pad_token_id or 0
+    ids = torch.full((len(items), prompt_len), pad, dtype=torch.long)
+    mask = torch.zeros(len(items), prompt_len, dtype=torch.bool)
+    for i, (t, _, _) in enumerate(items):
+        ids[i, prompt_len - len(t.prompt) :] = torch.tensor(t.prompt)
+        mask[i, prompt_len - len(t.prompt) :] = True
+    cache = model.new_cache(len(items), prompt_len + c)
+    padded = not bool(mask.all())
+    with torch.no_grad():
+        model.encode(ids.to(device), cache, attention_mask=mask.to(device) if padded else None)
+    canvas = torch.stack([t.states[s] for t, _, s in items]).to(device)
+    have_signal = [t.signals[s] is not None for t, _, s in items]
+    soft = None
+    if any(have_signal):
+        m = model.text_config.hidden_size
+        soft = torch.zeros(len(items), c, m, dtype=model.dtype)
+        for i, (t, _, s) in enumerate(items):
+            if t.signals[s] is not None:
+                soft[i] = t.signals[s]
+        soft = soft.to(device)
+    logits = model.denoise(canvas, cache, self_conditioning_embeds=soft)
+    target = torch.tensor([tg for _, tg, _ in items], device=device)
+    scored = ~torch.stack([t.pinned for t, _, _ in items]).to(device)
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    per_token = per_token.view(target.shape)
+    per_state = (per_token * scored).sum(-1) / scored.sum(-1).clamp(min=1)
+    return per_state.mean(), len(items)
+
+
+def teacher_targets(
+    teacher: DiffusionGemma,
+    prompts: list[list[int]],
+    pins: torch.Tensor,
+    reward: Callable[[list[int], list[int]], float],
+    threshold: float,
+    *,
+    seed: int = 0,
+    **teacher_sampling,
+) -> tuple[list[list[int] | None], list[float]]:
+    """The teacher's committed canvases where `reward(prompt, canvas) >= threshold` (None elsewhere), and
+    the teacher's rewards."""
+    runs = rollout(teacher, prompts, pins, record=False, seed=seed, **teacher_sampling)
+    rewards = [reward(r.prompt, r.final) for r in runs]
+    return [r.final if w >= threshold else None for r, w in zip(runs, rewards, strict=True)], rewards
