@@ -1,0 +1,171 @@
+"""Stage 1 vs stage 2: quality against tokens per forward, before and after RL + sampler distillation.
+
+    python benchmarks/stage2_eval.py --task sudoku --after runs/sudoku-stage2/final [--before DIR]
+    python benchmarks/stage2_eval.py --task code --after runs/code-stage2/final [--before DIR]
+
+Sudoku (held-out test puzzles): solve rate, cell accuracy, mean denoising steps per puzzle, tokens per
+forward (blank cells / steps) and wall time per puzzle, with the default sampler (<= 48 steps, adaptive
+stop) and with <= 16 and <= 8 steps. Code (held-out files, the spans of benchmarks/code_eval.py): infill
+exact match and parse rate, steps per canvas, tokens per forward, wall time per canvas. Both models run
+the same sampler settings, in one process. Prints a table, writes a PNG (quality against tokens per
+forward, one line per model) and ends with one JSON line. `--before` defaults to the shipped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import dgemma
+from dgemma.tasks import sudoku
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"default (<= 48)": {}, "<= 16 steps": {"max_denoising_steps": 16}, "<= 8 steps": {"max_denoising_steps": 8}}
+
+
+def sudoku_rows(model_dir: Path, puzzles: list[dict], batch: int = 100) -> list[dict]:
+    model, tok = sudoku.load_model(model_dir)
+    dgemma.accelerate(model)
+    rows = []
+    for label, kw in SETTINGS.items():
+        solved, cells, steps, tpf = [], [], [], []
+        t0 = time.perf_counter()
+        for a in range(0, len(puzzles), batch):
+            group = puzzles[a : a + batch]
+            for p, o in zip(
+                group, sudoku.solve_batch(model, tok, [q["puzzle"] for q in group], seed=0, **kw), strict=True
+            ):
+                blanks = [i for i, ch in enumerate(p["puzzle"]) if ch == sudoku.BLANK]
+                solved.append(o.solved)
+                cells.append(sum(o.solution[i] == p["solution"][i] for i in blanks) / max(1, len(blanks)))
+                steps.append(o.steps)
+                tpf.append(len(blanks) / max(1, o.steps))
+        seconds = time.perf_counter() - t0
+        rows.append(
+            {
+                "setting": label,
+                "quality": statistics.fmean(solved),
+                "cells": statistics.fmean(cells),
+                "steps": statistics.fmean(steps),
+                "tokens_per_forward": statistics.fmean(tpf),
+                "ms_per_item": 1000 * seconds / len(puzzles),
+            }
+        )
+    return rows
+
+
+def code_rows(model_dir: Path, data: Path, n: int, seed: int = 0) -> list[dict]:
+    import code_eval
+
+    model, tok = dgemma.load(model_dir), dgemma.Tokenizer.from_dir(model_dir)
+    dgemma.accelerate(model)
+    files = [json.loads(line) for line in data.read_text().splitlines()]
+    rng = random.Random(seed)
+    cases = [(f["text"], a, b) for f in files for _, a, b in code_eval.spans(f["text"], rng, tok, 24, per_kind=3)]
+    rng.shuffle(cases)
+    cases = cases[:n]
+    rows = []
+    for label, kw in SETTINGS.items():
+        exact, parses, steps, tpf = [], [], [], []
+        t0 = time.perf_counter()
+        for text, a, b in cases:
+            left = code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192) or [tok.bos_token_id]
+            suffix = tok.encode(text[b:], add_special_tokens=False)
+            r = dgemma.infill(model, left, suffix, middle_length="auto", tokenizer=tok, seed=0, **kw)
+            score = code_eval._score(text, a, b, r.middle_text, text[a:b].strip(), r.result.stats)
+            exact.append(score["exact"])
+            parses.append(score["parses"])
+            s = r.result.stats.steps_per_canvas[0]
+            steps.append(statistics.fmean(s))
+            tpf.append(r.result.stats.tokens_per_forward[0])
+        seconds = time.perf_counter() - t0
+        rows.append(
+            {
+                "setting": label,
+                "quality": statistics.fmean(exact),
+                "parses": statistics.fmean(parses),
+                "steps": statistics.fmean(steps),
+                "tokens_per_forward": statistics.fmean(tpf),
+                "ms_per_item": 1000 * seconds / len(cases),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=["sudoku", "code"], required=True)
+    ap.add_argument("--before", type=Path, default=None, help="stage-1 model (default: the shipped one)")
+    ap.add_argument("--after", type=Path, required=True, help="stage-2 model")
+    ap.add_argument("--data", type=Path, default=None, help="default: the task's test split under recipes/data")
+    ap.add_argument("--limit", type=int, default=None, help="Sudoku: the first N test puzzles (default all)")
+    ap.add_argument("--spans", type=int, default=60, help="code: infill spans (default 60)")
+    ap.add_argument("--plot", type=Path, default=None, help="default: docs/stage2_TASK.png")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    data = args.data or ROOT / "recipes" / "data" / args.task / "test.jsonl"
+    if not data.is_file():
+        raise SystemExit(f"{data} not found: build it with python recipes/{args.task}_data.py")
+    before = args.before or (sudoku.MODEL_DIR if args.task == "sudoku" else ROOT / "dgemma" / "models" / "code")
+    models = {"stage 1": before, "stage 2": args.after}
+    results = {}
+    for name, path in models.items():
+        if args.task == "sudoku":
+            puzzles = [json.loads(line) for line in data.read_text().splitlines()][: args.limit]
+            results[name] = sudoku_rows(path, puzzles)
+        else:
+            results[name] = code_rows(path, data, args.spans)
+    quality = "solve rate" if args.task == "sudoku" else "infill exact"
+    extra = "cells" if args.task == "sudoku" else "parses"
+    print(f"| model | sampler | {quality} | {extra} | steps | tokens/forward | ms per item |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, rows in results.items():
+        for r in rows:
+            print(
+                f"| {name} | {r['setting']} | {r['quality']:.1%} | {r[extra]:.1%} | {r['steps']:.1f} | "
+                f"{r['tokens_per_forward']:.2f} | {r['ms_per_item']:.1f} |"
+            )
+    plot = args.plot or ROOT / "docs" / f"stage2_{args.task}.png"
+    _plot(results, quality, plot)
+    print(f"plot: {plot}")
+    print(
+        json.dumps(
+            {
+                "benchmark": "stage2_eval",
+                "task": args.task,
+                "models": {k: str(v) for k, v in models.items()},
+                "results": results,
+            }
+        )
+    )
+
+
+def _plot(results: dict, quality: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in results.items():
+        ax.plot([r["tokens_per_forward"] for r in rows], [r["quality"] for r in rows], "o-", label=name)
+        for r in rows:
+            ax.annotate(r["setting"], (r["tokens_per_forward"], r["quality"]), fontsize=7, alpha=0.7)
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel(quality)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
