@@ -184,6 +184,11 @@ def test_stage2_cli_and_config_errors(records, tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(path)]) == 0
     assert "model:" in capsys.readouterr().err
+    teacher = dict(cfg, stage2=dict(cfg["stage2"], distill_target="teacher", rl_weight=0.0, distill_weight=1.0))
+    teacher["train"] = dict(cfg["train"], out_dir=str(tmp_path / "d"))
+    path.write_text(yaml.safe_dump(teacher))
+    assert main(["train", str(path)]) == 0
+    assert "teacher_solved" in log_records(tmp_path / "d")[1]
     bad = dict(cfg, stage2=dict(cfg["stage2"], reward="chess"))
     path.write_text(yaml.safe_dump(bad))
     assert main(["train", str(path)]) == 2

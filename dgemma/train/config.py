@@ -93,11 +93,14 @@ class Stage2Section:
     clip: float = 0.2
     kl_coef: float = 0.02
     states_per_trajectory: int = 4  # sampler states per rollout used by the distillation loss
+    # the distillation target of a rollout: its own final canvas (final) or the teacher's (teacher), kept
+    # only when the verifier gives it at least target_threshold
+    distill_target: str = "final"
     sampling: dict[str, Any] = field(default_factory=dict)  # the student's sampler (SamplingParams fields)
     teacher_sampling: dict[str, Any] = field(
         default_factory=lambda: {"sampler": "fixed", "tokens_per_step": 2, "max_denoising_steps": 64}
     )
-    teacher_threshold: float = 1.0  # a teacher canvas is a target only with at least this reward
+    target_threshold: float = 1.0
     eval_prompts: int = 64  # evaluation rollouts (on data.eval) at train.eval_every and at the end
 
 
@@ -144,6 +147,8 @@ class TrainConfig:
                     errors.append(f"stage2.{name} must be > 0")
             if s2.rl_weight < 0 or s2.distill_weight < 0 or s2.rl_weight + s2.distill_weight == 0:
                 errors.append("stage2: rl_weight and distill_weight must be >= 0, not both 0")
+            if s2.distill_target not in ("final", "teacher"):
+                errors.append(f"stage2.distill_target must be final or teacher (got {s2.distill_target!r})")
             if s2.rl_weight > 0 and s2.group_size < 2:
                 errors.append("stage2.group_size must be >= 2 for RL (advantages compare a group's members)")
             if self.lora is not None:

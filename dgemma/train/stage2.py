@@ -8,9 +8,9 @@ Each step:
    every state the sampler gave the model (distill.rollout);
 3. scores each canvas with the verifier (`stage2.reward`, see rl.REWARDS) and turns the scores into
    group-standardised advantages;
-4. asks the teacher (the frozen stage-1 model, run with the slower `teacher_sampling`) for a target
-   canvas per prompt, kept where the verifier gives it full credit; where the teacher fails, a group
-   member with full credit is the target instead;
+4. picks distillation targets: each rollout's own final canvas where the verifier gives it full credit
+   (`distill_target: final`), or the canvas of a teacher (the frozen stage-1 model run with the slower
+   `teacher_sampling`; `distill_target: teacher`), where the verifier accepts it;
 5. loss = rl_weight x clipped policy-gradient loss with a KL penalty to the stage-1 model (rl.grpo_loss,
    on a forward-process likelihood estimate) + distill_weight x cross-entropy at the recorded sampler
    states against the targets (distill.distillation_loss); one AdamW step.
@@ -160,13 +160,17 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
         model.train()
         loss = torch.zeros((), device=device)
         if s2.distill_weight > 0:
-            targets, teacher_rewards = _targets(reference, prompts, pins, references, reward, s2, seed)
-            for i in range(len(prompts)):  # the teacher failed: a verified group member instead
-                if targets[i] is None:
-                    best = max(range(i * g, (i + 1) * g), key=lambda k: rewards[k])
-                    if rewards[best] >= s2.teacher_threshold:
-                        targets[i] = runs[best].final
-            per_run = [targets[i // g] for i in range(len(runs))]
+            if s2.distill_target == "teacher":
+                targets, teacher_rewards = _targets(reference, prompts, pins, references, reward, s2, seed)
+                for i in range(len(prompts)):  # the teacher failed: a verified group member instead
+                    if targets[i] is None:
+                        best = max(range(i * g, (i + 1) * g), key=lambda k: rewards[k])
+                        if rewards[best] >= s2.target_threshold:
+                            targets[i] = runs[best].final
+                per_run = [targets[i // g] for i in range(len(runs))]
+                record["teacher_solved"] = sum(w >= s2.target_threshold for w in teacher_rewards) / len(prompts)
+            else:  # each verified rollout's own end: from every state it visited, predict where it arrived
+                per_run = [r.final if w >= s2.target_threshold else None for r, w in zip(runs, rewards, strict=True)]
             distill, used = distillation_loss(
                 model,
                 runs,
@@ -177,7 +181,6 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
             loss = loss + s2.distill_weight * distill
             record["distill_loss"] = float(distill.detach())
             record["distill_states"] = used
-            record["teacher_solved"] = sum(w >= s2.teacher_threshold for w in teacher_rewards) / len(prompts)
         if s2.rl_weight > 0:
             advantages = group_advantages(torch.tensor(rewards), g)
             if bool((advantages != 0).any()):
@@ -243,7 +246,7 @@ def _targets(reference, prompts, pins, references, reward, s2, seed):
     def judged(prompt, canvas):
         return reward(prompt, canvas, lookup[tuple(prompt)])
 
-    return teacher_targets(reference, prompts, pins, judged, s2.teacher_threshold, seed=seed, **s2.teacher_sampling)
+    return teacher_targets(reference, prompts, pins, judged, s2.target_threshold, seed=seed, **s2.teacher_sampling)
 
 
 def log_records(out_dir: Path) -> list[dict]:
