@@ -124,7 +124,7 @@ def test_distillation_loss_learns_its_targets(sudoku_model):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert used == min(4, len(runs[0].states)) and float(loss) < first
+    assert used == min(4, len(runs[0].states)) and float(loss.detach()) < first
     assert distillation_loss(model, runs, [None])[1] == 0  # no target, nothing to learn
 
 
