@@ -31,6 +31,8 @@ def load_for_bench(args: argparse.Namespace):
     from .weights import resolve_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this PyTorch sees no CUDA device")
     if args.preset:
         if not args.random_weights:
             raise ValueError("presets have no trained weights: add --random-weights (or give --model DIR)")
@@ -187,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli_generate import add_model_args
+    from .cli_generate import add_model_args, positive_int
     from .config import PRESETS
 
     s = sub.add_parser(
@@ -211,10 +213,12 @@ def register(sub) -> None:
         default=None,
         help=f"fixed steps per canvas to measure, comma-separated (default: {CPU_STEPS} on CPU, {CUDA_STEPS} on CUDA)",
     )
-    s.add_argument("--prompt-length", type=int, default=64, help="prompt tokens (default 64)")
-    s.add_argument("--canvases", type=int, default=2, help="canvases per diffusion run (default 2)")
-    s.add_argument("--ar-tokens", type=int, default=None, help="tokens per AR run (default: one canvas)")
-    s.add_argument("--repeats", type=int, default=2, help="runs of each setting; the median is kept (default 2)")
+    s.add_argument("--prompt-length", type=positive_int, default=64, help="prompt tokens (default 64)")
+    s.add_argument("--canvases", type=positive_int, default=2, help="canvases per diffusion run (default 2)")
+    s.add_argument("--ar-tokens", type=positive_int, default=None, help="tokens per AR run (default: one canvas)")
+    s.add_argument(
+        "--repeats", type=positive_int, default=2, help="runs of each setting; the median is kept (default 2)"
+    )
     s.add_argument(
         "--sampler-prompt",
         default="def parse(text):\n",

@@ -90,9 +90,12 @@ def test_bench_cli_lets_a_trained_model_choose_its_steps(tmp_path, capsys):
     [
         (["--preset", "tiny"], "--random-weights"),
         (["--random-weights"], "goes with --preset"),
+        (["--preset", "tiny", "--random-weights", "--device", "cuda"] if not torch.cuda.is_available() else [], "CUDA"),
     ],
 )
 def test_bench_cli_errors(argv, message, capsys):
+    if not argv:
+        pytest.skip("this machine has CUDA")
     assert main(["bench", *argv, "--quiet"]) == 2
     assert message in capsys.readouterr().err
 
