@@ -24,15 +24,13 @@ def _steps(text: str) -> list[int]:
 def load_for_bench(args: argparse.Namespace):
     """The model to measure: a preset with random weights, or a checkpoint (default: the shipped code
     model); accelerated unless --no-accelerate. Returns (model, tokenizer or None, what it is)."""
-    import torch
 
     from .bench import random_model
+    from .cli_generate import resolve_device
     from .fast import accelerate
     from .weights import resolve_dtype
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this PyTorch sees no CUDA device")
+    device = resolve_device(args.device)
     if args.preset:
         if not args.random_weights:
             raise ValueError("presets have no trained weights: add --random-weights (or give --model DIR)")

@@ -101,8 +101,27 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def load_model_and_tokenizer(args: argparse.Namespace):
+def resolve_device(name: str | None) -> str:
+    """The --device to use (default: cuda when available, else cpu), refused clearly when it cannot be."""
     import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, ...)") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this PyTorch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"--device {name}: dgemma runs on cpu or cuda")
+    return name
+
+
+def load_model_and_tokenizer(args: argparse.Namespace):
 
     from .fast import accelerate
     from .tokenizer import Tokenizer
@@ -123,7 +142,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {directory} does not exist")
     tokenizer = Tokenizer.from_dir(directory)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     if args.quant and args.adapter is not None:
         raise ValueError("--adapter merges into full-precision weights; merge first (dgemma merge), then --quant")
     model = load(

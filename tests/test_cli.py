@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from dgemma.cli import main
 
 
@@ -35,8 +38,6 @@ def test_console_script_help():
 
 
 import io  # noqa: E402
-
-import pytest  # noqa: E402
 
 from dgemma.testing import make_tokenizer  # noqa: E402
 
@@ -162,3 +163,13 @@ def test_serve_defaults_to_the_shipped_code_model(tmp_path, monkeypatch, capsys)
 def test_infill_rejects_max_new_tokens(ckpt_with_tokenizer, capsys):
     assert _cli("infill", ckpt_with_tokenizer, "--prefix", "a", "--suffix", "b", "--max-new-tokens", "4") == 2
     assert "--middle-length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("banana", "not a device name"), ("cuda:7" if torch.cuda.device_count() < 8 else "tpu", "--device")],
+)
+def test_bad_device_is_a_clear_error(device, message, capsys):
+    assert main(["generate", "--device", device, "-p", "x", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
