@@ -198,3 +198,23 @@ def test_stage2_cli_and_config_errors(records, tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     assert "group_size" in capsys.readouterr().err
     assert json.loads((tmp_path / "c" / "log.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+def test_null_optional_sections_stay_absent(records, tmp_path):
+    cfg = _config(records, tmp_path / "e").to_dict()
+    cfg["stage2"] = None
+    again = TrainConfig.from_dict(cfg)
+    assert again.stage2 is None and again.lora is None
+    assert TrainConfig.from_dict(again.to_dict()).stage2 is None
+
+
+def test_a_step_with_nothing_to_learn_still_advances(records, tmp_path, monkeypatch):
+    import dgemma.train.stage2 as stage2
+
+    # Every canvas scores 0: no advantage, no verified target, so no gradient at all this step.
+    monkeypatch.setitem(stage2.REWARDS, "sudoku", lambda tok: lambda *a: 0.0)
+    cfg = _config(records, tmp_path / "f")
+    cfg.train.steps = 1
+    train_stage2(cfg, progress=False)
+    step = next(r for r in log_records(tmp_path / "f") if r["step"] == 1 and "loss" in r)
+    assert step["grad_norm"] == 0.0 and step["reward"] == 0.0 and step["distill_states"] == 0

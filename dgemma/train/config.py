@@ -170,7 +170,13 @@ class TrainConfig:
         for required in ("model", "data", "train"):
             if required not in d:
                 raise ValueError(f"the training config needs a '{required}' section")
-        kwargs = {name: _build(section_type, d[name], name) for name, section_type in _SECTIONS.items() if name in d}
+        # An optional section given as null (as to_dict writes it) is absent, not a section of defaults.
+        optional = ("lora", "stage2")
+        kwargs = {
+            name: _build(section_type, d[name], name)
+            for name, section_type in _SECTIONS.items()
+            if name in d and not (name in optional and d[name] is None)
+        }
         unknown = sorted(set(d) - set(_SECTIONS))
         if unknown:
             raise ValueError(f"unknown section(s) {unknown}; the sections are {sorted(_SECTIONS)}")

@@ -203,8 +203,11 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
                 )
                 loss = loss + s2.rl_weight * rl
                 record |= parts
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
+        if loss.requires_grad:
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
+        else:  # no verified rollout and no advantage this step: nothing to learn, the schedule moves on
+            grad_norm = 0.0
         loss_value = float(loss.detach())
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             raise TrainingDiverged(
