@@ -72,17 +72,6 @@ class StaticCacheView:
         return torch.cat([self.cache.keys[i], k], dim=2), torch.cat([self.cache.values[i], v], dim=2)
 
 
-def static_denoise(
-    model: DiffusionGemma,
-    canvas_ids: torch.Tensor,
-    cache: KVCache,
-    self_conditioning_embeds: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One denoising step through a StaticCacheView: the same logits as model.denoise (to rounding)."""
-    length = torch.tensor(cache.length, device=cache.device)
-    return _eager(model)(canvas_ids, StaticCacheView(cache, length), self_conditioning_embeds=self_conditioning_embeds)
-
-
 def _eager(model: DiffusionGemma):
     """The model's own denoise, bypassing anything installed on the instance."""
     return DiffusionGemma.denoise.__get__(model)
