@@ -29,35 +29,42 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"default (<= 48)": {}, "<= 16 steps": {"max_denoising_steps": 16}, "<= 8 steps": {"max_denoising_steps": 8}}
 
 
+def measure(score) -> list[dict]:
+    """One row per sampler setting: `score(sampling overrides)` returns per-item dicts of numbers; the
+    row holds their means and the wall time per item."""
+    rows = []
+    for label, kw in SETTINGS.items():
+        t0 = time.perf_counter()
+        items = score(kw)
+        seconds = time.perf_counter() - t0
+        row = {"setting": label} | {key: statistics.fmean(i[key] for i in items) for key in items[0]}
+        rows.append(row | {"ms_per_item": 1000 * seconds / len(items)})
+    return rows
+
+
 def sudoku_rows(model_dir: Path, puzzles: list[dict], batch: int = 100) -> list[dict]:
     model, tok = sudoku.load_model(model_dir)
     dgemma.accelerate(model)
-    rows = []
-    for label, kw in SETTINGS.items():
-        solved, cells, steps, tpf = [], [], [], []
-        t0 = time.perf_counter()
+
+    def score(kw: dict) -> list[dict]:
+        items = []
         for a in range(0, len(puzzles), batch):
             group = puzzles[a : a + batch]
-            for p, o in zip(
-                group, sudoku.solve_batch(model, tok, [q["puzzle"] for q in group], seed=0, **kw), strict=True
-            ):
+            solves = sudoku.solve_batch(model, tok, [q["puzzle"] for q in group], seed=0, **kw)
+            for p, o in zip(group, solves, strict=True):
                 blanks = [i for i, ch in enumerate(p["puzzle"]) if ch == sudoku.BLANK]
-                solved.append(o.solved)
-                cells.append(sum(o.solution[i] == p["solution"][i] for i in blanks) / max(1, len(blanks)))
-                steps.append(o.steps)
-                tpf.append(len(blanks) / max(1, o.steps))
-        seconds = time.perf_counter() - t0
-        rows.append(
-            {
-                "setting": label,
-                "quality": statistics.fmean(solved),
-                "cells": statistics.fmean(cells),
-                "steps": statistics.fmean(steps),
-                "tokens_per_forward": statistics.fmean(tpf),
-                "ms_per_item": 1000 * seconds / len(puzzles),
-            }
-        )
-    return rows
+                correct = sum(o.solution[i] == p["solution"][i] for i in blanks)
+                items.append(
+                    {
+                        "quality": o.solved,
+                        "cells": correct / max(1, len(blanks)),
+                        "steps": o.steps,
+                        "tokens_per_forward": len(blanks) / max(1, o.steps),
+                    }
+                )
+        return items
+
+    return measure(score)
 
 
 def code_rows(model_dir: Path, data: Path, n: int, seed: int = 0) -> list[dict]:
@@ -70,32 +77,26 @@ def code_rows(model_dir: Path, data: Path, n: int, seed: int = 0) -> list[dict]:
     cases = [(f["text"], a, b) for f in files for _, a, b in code_eval.spans(f["text"], rng, tok, 24, per_kind=3)]
     rng.shuffle(cases)
     cases = cases[:n]
-    rows = []
-    for label, kw in SETTINGS.items():
-        exact, parses, steps, tpf = [], [], [], []
-        t0 = time.perf_counter()
+
+    def score(kw: dict) -> list[dict]:
+        items = []
         for text, a, b in cases:
             left = code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192) or [tok.bos_token_id]
             suffix = tok.encode(text[b:], add_special_tokens=False)
             r = dgemma.infill(model, left, suffix, middle_length="auto", tokenizer=tok, seed=0, **kw)
-            score = code_eval._score(text, a, b, r.middle_text, text[a:b].strip(), r.result.stats)
-            exact.append(score["exact"])
-            parses.append(score["parses"])
-            s = r.result.stats.steps_per_canvas[0]
-            steps.append(statistics.fmean(s))
-            tpf.append(r.result.stats.tokens_per_forward[0])
-        seconds = time.perf_counter() - t0
-        rows.append(
-            {
-                "setting": label,
-                "quality": statistics.fmean(exact),
-                "parses": statistics.fmean(parses),
-                "steps": statistics.fmean(steps),
-                "tokens_per_forward": statistics.fmean(tpf),
-                "ms_per_item": 1000 * seconds / len(cases),
-            }
-        )
-    return rows
+            result = code_eval._score(text, a, b, r.middle_text, text[a:b].strip(), r.result.stats)
+            stats = r.result.stats
+            items.append(
+                {
+                    "quality": result["exact"],
+                    "parses": result["parses"],
+                    "steps": statistics.fmean(stats.steps_per_canvas[0]),
+                    "tokens_per_forward": stats.tokens_per_forward[0],
+                }
+            )
+        return items
+
+    return measure(score)
 
 
 def main() -> None:

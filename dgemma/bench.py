@@ -121,32 +121,31 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def step_bytes(model: DiffusionGemma, run, skip: int = 0) -> dict[str, int]:
-    """Bytes the last forward of `run()` reads: the weights (an expert only if a token was routed to it;
-    the tied embedding once per use, as `run` reports: the LM head, and the soft embedding of a denoising
-    step) and the KV cache. `run()` returns (uses of the embedding, KV bytes read); the routers' first
-    `skip` calls (an encode before the measured forward) are not counted."""
+def step_bytes(model: DiffusionGemma, forward, embedding_uses: int, kv_bytes: int) -> dict[str, int]:
+    """Bytes one forward pass (`forward()`) reads: the weights, counting an expert only if a token was
+    routed to it and the tied embedding `embedding_uses` times (the LM head; a denoising step's soft
+    embedding too), plus `kv_bytes` of KV cache."""
     from .model import Experts, Router
     from .quant.modules import QuantExperts
 
-    calls: list[int] = []
-    routers = [m for m in model.modules() if isinstance(m, Router)]
+    hit: list[int] = []  # experts used, per layer
     handles = [
-        m.register_forward_hook(lambda _m, _i, out: calls.append(int(torch.unique(out[1]).numel()))) for m in routers
+        m.register_forward_hook(lambda _m, _i, out: hit.append(int(torch.unique(out[1]).numel())))
+        for m in model.modules()
+        if isinstance(m, Router)
     ]
     try:
-        uses, kv = run()
+        forward()
     finally:
         for h in handles:
             h.remove()
     experts = [m for m in model.modules() if isinstance(m, Experts | QuantExperts)]
-    hit = calls[skip:]
     e = model.text_config.num_experts or 1
     expert_bytes = sum(_tensor_bytes(m) * n // e for m, n in zip(experts, hit, strict=True))
     embedding = _tensor_bytes(model.embed_tokens)
     other = _tensor_bytes(model) - embedding - sum(_tensor_bytes(m) for m in experts)
-    weights = other + expert_bytes + uses * embedding
-    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+    weights = other + expert_bytes + embedding_uses * embedding
+    return {"weights": weights, "kv_cache": kv_bytes, "total": weights + kv_bytes}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,27 +386,13 @@ def run_bench(
         sampler_tps = result.stats.tokens_per_second
 
     tell("counting bytes per step")
-    from .model import Router
-
-    routers = [m for m in model.modules() if isinstance(m, Router)]
     prefix = prompt_tokens
     canvas_ids = torch.randint(0, vocab, (1, c), generator=g).to(device)
-
-    def one_step():
-        cache = model.new_cache(1, room)
-        model.encode(prompt_ids, cache)
-        model.denoise(canvas_ids, cache)
-        return 2, _kv_read_bytes(cache)
-
-    def one_token():
-        cache = model.new_cache(1, room)
-        model.encode(prompt_ids, cache)
-        kv = _kv_read_bytes(cache)
-        model.encode(prompt_ids[:, :1], cache, return_logits=True)
-        return 1, kv
-
-    bytes_step = step_bytes(model, one_step, skip=len(routers))
-    bytes_token = step_bytes(model, one_token, skip=len(routers))
+    cache = model.new_cache(1, room)
+    model.encode(prompt_ids, cache)
+    kv = _kv_read_bytes(cache)
+    bytes_step = step_bytes(model, lambda: model.denoise(canvas_ids, cache), 2, kv)
+    bytes_token = step_bytes(model, lambda: model.encode(prompt_ids[:, :1], cache, return_logits=True), 1, kv)
     result = BenchResult(
         device=device_name(device),
         params=count_parameters(model.config)["total"],

@@ -76,25 +76,33 @@ def _experts_sorted(self: Experts, x: torch.Tensor, weights: torch.Tensor, index
     return experts_by_expert(x, weights, index, self.gate_up_proj.shape[0], expert)
 
 
-def experts_grouped(self: Experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """All experts in two grouped matmuls over the (token, slot) pairs sorted by expert. Shapes depend only
-    on the number of tokens, never on the routing, and nothing is read back to the host."""
-    n, k = index.shape
-    e = self.gate_up_proj.shape[0]
+def sort_by_expert(x: torch.Tensor, index: torch.Tensor, num_experts: int):
+    """The (token, slot) pairs sorted by expert: (order of the pairs, rows per expert [E] int32 on the
+    device, the tokens' rows in that order). Rows are counted by scatter-add, not bincount: bincount sizes
+    its output from the data, a host sync."""
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    # Rows per expert by scatter-add, not bincount: bincount sizes its output from the data (a host sync).
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32)
-    )
-    offs = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
-    xs = x[order // k]
-    gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-    out = grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs).float()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, counts, x[order // index.shape[1]]
+
+
+def combine_slots(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    """Sorted fp32 expert outputs -> each token's K slots weighted in fp32 and summed, cast to `dtype`."""
     out *= weights.reshape(-1)[order, None]
     slots = torch.empty_like(out)
     slots[order] = out
-    return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
+    return slots.view(-1, k, out.shape[-1]).sum(dim=1).to(dtype)
+
+
+def experts_grouped(self: Experts, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """All experts in two grouped matmuls over the (token, slot) pairs sorted by expert. Shapes depend only
+    on the number of tokens, never on the routing, and nothing is read back to the host."""
+    order, counts, xs = sort_by_expert(x, index, self.gate_up_proj.shape[0])
+    offs = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
+    gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+    out = grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(1, 2), offs).float()
+    return combine_slots(out, weights, order, index.shape[1], x.dtype)
 
 
 def experts_by_expert(
@@ -102,23 +110,16 @@ def experts_by_expert(
 ) -> torch.Tensor:
     """The MoE block's dispatch: sort the (token, slot) pairs by expert, run `expert(e, rows)` once per
     expert hit on its contiguous rows, weight each output in fp32 and sum a token's K slots."""
-    n, k = index.shape
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    xs = x[order // k]
-    out = torch.empty(n * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    order, counts, xs = sort_by_expert(x, index, num_experts)
+    out = torch.empty(xs.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
     start = 0
-    for e, count in enumerate(counts):
+    for e, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         rows = slice(start, start + count)
         out[rows] = expert(e, xs[rows]).float()
         start += count
-    out *= weights.reshape(-1)[order, None]
-    slots = torch.empty_like(out)
-    slots[order] = out
-    return slots.view(n, k, -1).sum(dim=1).to(x.dtype)
+    return combine_slots(out, weights, order, index.shape[1], x.dtype)
 
 
 def accelerate(
@@ -160,9 +161,11 @@ def accelerate(
 def capturable(model: DiffusionGemma) -> bool:
     """Whether a denoising step of `model` can be captured in a CUDA graph: on CUDA, and no module that
     reads routing decisions back to the host (reference or quantized experts; grouped experts are fine)."""
+    from .quant.modules import QuantExperts
+
     if model.device.type != "cuda":
         return False
-    return all(getattr(m, "grouped", False) for m in model.modules() if "Experts" in type(m).__name__)
+    return all(getattr(m, "grouped", False) for m in model.modules() if isinstance(m, Experts | QuantExperts))
 
 
 def restore(model: DiffusionGemma) -> DiffusionGemma:

@@ -557,8 +557,9 @@ def stream(
         yield event
 
 
-def drive(model: DiffusionGemma, loop: Generator) -> Iterator[Event]:
-    """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through."""
+def drive(model: DiffusionGemma, loop: Generator, observe=None) -> Iterator[Event]:
+    """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through.
+    `observe(call)`, if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
     reply = None
     while True:
         try:
@@ -566,6 +567,8 @@ def drive(model: DiffusionGemma, loop: Generator) -> Iterator[Event]:
         except StopIteration:
             return
         if isinstance(item, DenoiseCall):
+            if observe is not None:
+                observe(item)
             reply = model.denoise(
                 item.tokens,
                 item.cache,

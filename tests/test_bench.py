@@ -28,22 +28,12 @@ def test_step_bytes_count_routed_experts_and_embedding_uses():
     embedding = model.embed_tokens.weight.numel() * 4
     experts = sum(layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel() for layer in model.layers) * 4
     prompt = torch.randint(5, t.vocab_size, (1, 20))
-    routers = len(model.layers)
+    cache = model.new_cache(1, 64)
+    model.encode(prompt, cache)
 
-    def step():
-        cache = model.new_cache(1, 64)
-        model.encode(prompt, cache)
-        model.denoise(torch.randint(0, t.vocab_size, (1, 32)), cache)
-        return 2, 0
-
-    def token():
-        cache = model.new_cache(1, 64)
-        model.encode(prompt, cache)
-        model.encode(prompt[:, :1], cache)
-        return 1, 0
-
-    many = bench.step_bytes(model, step, skip=routers)["weights"]
-    one = bench.step_bytes(model, token, skip=routers)["weights"]
+    canvas = torch.randint(0, t.vocab_size, (1, 32))
+    many = bench.step_bytes(model, lambda: model.denoise(canvas, cache), 2, 0)["weights"]
+    one = bench.step_bytes(model, lambda: model.encode(prompt[:, :1], cache), 1, 0)["weights"]
     # 32 tokens reach every expert (random router): all weights, the embedding counted twice.
     assert many == tensor_bytes + embedding
     # One token reaches top_k of the experts in every layer.

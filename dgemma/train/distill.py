@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..generate import DenoiseCall, prepare
+from ..generate import DenoiseCall, DoneEvent, drive, left_pad, prepare
 from ..model import DiffusionGemma
 
 
@@ -77,30 +77,18 @@ def rollout(
     b = len(prompts)
     states: list[list[torch.Tensor]] = [[] for _ in range(b)]
     signals: list[list[torch.Tensor | None]] = [[] for _ in range(b)]
-    reply, result = None, None
-    while True:
-        try:
-            item = loop.send(reply)
-        except StopIteration:
-            break
-        if isinstance(item, DenoiseCall):
-            rows = item.cache._rows
-            rows = list(range(b)) if rows is None else rows.tolist()
-            if record:
-                for k, r in enumerate(rows):
-                    states[r].append(item.tokens[k].cpu())
-                    sc = item.self_conditioning_embeds
-                    signals[r].append(None if sc is None else sc[k].cpu())
-            reply = model.denoise(
-                item.tokens,
-                item.cache,
-                self_conditioning_logits=item.self_conditioning_logits,
-                self_conditioning_embeds=item.self_conditioning_embeds,
-            )
-        else:
-            reply = None
-            if type(item).__name__ == "DoneEvent":
-                result = item.result
+
+    def record_states(call: DenoiseCall) -> None:
+        rows = range(b) if call.cache._rows is None else call.cache._rows.tolist()
+        sc = call.self_conditioning_embeds
+        for k, r in enumerate(rows):
+            states[r].append(call.tokens[k].cpu())
+            signals[r].append(None if sc is None else sc[k].cpu())
+
+    result = None
+    for event in drive(model, loop, record_states if record else None):
+        if isinstance(event, DoneEvent):
+            result = event.result
     assert result is not None, "the canvas loop ended without a result"
     out = []
     for i in range(b):
@@ -108,6 +96,16 @@ def rollout(
         steps = result.stats.steps_per_canvas[i][0] if result.stats.steps_per_canvas[i] else 0
         out.append(Trajectory(prompts[i], final, pins[i] >= 0, steps, states[i], signals[i]))
     return out
+
+
+@torch.no_grad()
+def encode_prompts(model: DiffusionGemma, prompts: list[list[int]], canvas: int):
+    """A KV cache holding the left-padded prompts (no gradients), with room for one canvas."""
+    pad = model.text_config.pad_token_id or 0
+    ids, mask = left_pad(prompts, pad, model.device)
+    cache = model.new_cache(len(prompts), ids.shape[1] + canvas)
+    model.encode(ids, cache, attention_mask=mask)
+    return cache
 
 
 def distillation_loss(
@@ -133,27 +131,13 @@ def distillation_loss(
         return torch.zeros((), device=model.device, requires_grad=True), 0
     device = model.device
     c = model.config.canvas_length
-    prompt_len = max(len(t.prompt) for t, _, _ in items)
-    pad = model.text_config.pad_token_id or 0
-    ids = torch.full((len(items), prompt_len), pad, dtype=torch.long)
-    mask = torch.zeros(len(items), prompt_len, dtype=torch.bool)
-    for i, (t, _, _) in enumerate(items):
-        ids[i, prompt_len - len(t.prompt) :] = torch.tensor(t.prompt)
-        mask[i, prompt_len - len(t.prompt) :] = True
-    cache = model.new_cache(len(items), prompt_len + c)
-    padded = not bool(mask.all())
-    with torch.no_grad():
-        model.encode(ids.to(device), cache, attention_mask=mask.to(device) if padded else None)
+    cache = encode_prompts(model, [t.prompt for t, _, _ in items], c)
     canvas = torch.stack([t.states[s] for t, _, s in items]).to(device)
-    have_signal = [t.signals[s] is not None for t, _, s in items]
+    signals = [t.signals[s] for t, _, s in items]  # None at a trajectory's first step: no signal yet
     soft = None
-    if any(have_signal):
-        m = model.text_config.hidden_size
-        soft = torch.zeros(len(items), c, m, dtype=model.dtype)
-        for i, (t, _, s) in enumerate(items):
-            if t.signals[s] is not None:
-                soft[i] = t.signals[s]
-        soft = soft.to(device)
+    if any(x is not None for x in signals):
+        zero = torch.zeros(c, model.text_config.hidden_size, dtype=model.dtype)
+        soft = torch.stack([zero if x is None else x for x in signals]).to(device)
     logits = model.denoise(canvas, cache, self_conditioning_embeds=soft)
     target = torch.tensor([tg for _, tg, _ in items], device=device)
     scored = ~torch.stack([t.pinned for t, _, _ in items]).to(device)
@@ -167,14 +151,15 @@ def teacher_targets(
     teacher: DiffusionGemma,
     prompts: list[list[int]],
     pins: torch.Tensor,
-    reward: Callable[[list[int], list[int]], float],
+    references: list[list[int] | None],
+    reward: Callable[[list[int], list[int], list[int] | None], float],
     threshold: float,
     *,
     seed: int = 0,
     **teacher_sampling,
 ) -> tuple[list[list[int] | None], list[float]]:
-    """The teacher's committed canvases where `reward(prompt, canvas) >= threshold` (None elsewhere), and
-    the teacher's rewards."""
+    """The teacher's committed canvases where `reward(prompt, canvas, reference) >= threshold` (None
+    elsewhere), and the teacher's rewards."""
     runs = rollout(teacher, prompts, pins, record=False, seed=seed, **teacher_sampling)
-    rewards = [reward(r.prompt, r.final) for r in runs]
+    rewards = [reward(r.prompt, r.final, ref) for r, ref in zip(runs, references, strict=True)]
     return [r.final if w >= threshold else None for r, w in zip(runs, rewards, strict=True)], rewards

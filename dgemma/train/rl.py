@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import DiffusionGemma
+from .distill import encode_prompts
 
 # ------------------------------------------------------------------------------------------------
 # Rewards: (prompt ids, canvas ids, reference canvas ids or None) -> float, built for a tokenizer
@@ -108,17 +109,7 @@ def token_logprobs(
     """log p(o_k | corrupted o, prompt) per canvas position [N, C] (one denoising pass, no
     self-conditioning signal), differentiable when grad is enabled."""
     device = model.device
-    c = canvases.shape[1]
-    width = max(len(p) for p in prompts)
-    pad = model.text_config.pad_token_id or 0
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = True
-    cache = model.new_cache(len(prompts), width + c)
-    with torch.no_grad():
-        model.encode(ids.to(device), cache, attention_mask=None if bool(mask.all()) else mask.to(device))
+    cache = encode_prompts(model, prompts, canvases.shape[1])
     logits = model.denoise(corruption.noisy.to(device), cache)
     target = canvases.to(device)
     return -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(

@@ -42,10 +42,10 @@ from .trainer import (
     TrainResult,
     _build_model,
     _export_final,
-    _load_checkpoint,
     _log,
-    _lr_factor,
+    _optimizer,
     _ProgressBar,
+    _resume,
     _save_checkpoint,
     _truncate_log,
 )
@@ -120,14 +120,8 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
             layer.router.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
-    start = 0
-    latest = out_dir / "latest"
-    if cfg.train.resume and latest.is_file():
-        checkpoint_dir = out_dir / latest.read_text().strip()
-        start = _load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cfg)
-        _log(f"resumed from {checkpoint_dir} at step {start}")
+    optimizer, scheduler = _optimizer(cfg, params)
+    start = _resume(cfg, out_dir, model, optimizer, scheduler)
     log_path = out_dir / "log.jsonl"
     _truncate_log(log_path, start)
     if start == 0 and eval_examples:
@@ -161,7 +155,9 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
         loss = torch.zeros((), device=device)
         if s2.distill_weight > 0:
             if s2.distill_target == "teacher":
-                targets, teacher_rewards = _targets(reference, prompts, pins, references, reward, s2, seed)
+                targets, teacher_rewards = teacher_targets(
+                    reference, prompts, pins, references, reward, s2.target_threshold, seed=seed, **s2.teacher_sampling
+                )
                 for i in range(len(prompts)):  # the teacher failed: a verified group member instead
                     if targets[i] is None:
                         best = max(range(i * g, (i + 1) * g), key=lambda k: rewards[k])
@@ -240,16 +236,6 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
             f.write(json.dumps(record) + "\n")
     final = _export_final(out_dir, cfg, start)
     return TrainResult(out_dir, final, cfg.train.steps, losses, None)
-
-
-def _targets(reference, prompts, pins, references, reward, s2, seed):
-    """Teacher targets for a step's prompts (the verifier sees each record's completion as reference)."""
-    lookup = {tuple(p): r for p, r in zip(prompts, references, strict=True)}
-
-    def judged(prompt, canvas):
-        return reward(prompt, canvas, lookup[tuple(prompt)])
-
-    return teacher_targets(reference, prompts, pins, judged, s2.target_threshold, seed=seed, **s2.teacher_sampling)
 
 
 def log_records(out_dir: Path) -> list[dict]:

@@ -188,6 +188,24 @@ def _load_checkpoint(path: Path, model, optimizer, scheduler, cfg: TrainConfig) 
     return int(state["step"])
 
 
+def _optimizer(cfg: TrainConfig, params: list) -> tuple:
+    """AdamW over `params` and its schedule (linear warmup, cosine decay; see _lr_factor)."""
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+
+
+def _resume(cfg: TrainConfig, out_dir: Path, model, optimizer, scheduler) -> int:
+    """Load the latest checkpoint of out_dir when resuming is on; the step to continue from (0: none)."""
+    latest = out_dir / "latest"
+    if not (cfg.train.resume and latest.is_file()):
+        return 0
+    checkpoint_dir = out_dir / latest.read_text().strip()
+    start = _load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cfg)
+    _log(f"resumed from {checkpoint_dir} at step {start}")
+    return start
+
+
 def _microbatches(indices: list[tuple[int, int]], micro: int) -> list[list[tuple[int, int]]]:
     return [indices[i : i + micro] for i in range(0, len(indices), micro)]
 
@@ -296,8 +314,7 @@ def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | N
 
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+    optimizer, scheduler = _optimizer(cfg, params)
     use_bf16 = cfg.train.bf16 if cfg.train.bf16 is not None else device.type == "cuda"
 
     def autocast():
@@ -305,12 +322,7 @@ def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | N
             return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    start = 0
-    latest = out_dir / "latest"
-    if cfg.train.resume and latest.is_file():
-        checkpoint_dir = out_dir / latest.read_text().strip()
-        start = _load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cfg)
-        _log(f"resumed from {checkpoint_dir} at step {start}")
+    start = _resume(cfg, out_dir, model, optimizer, scheduler)
     log_path = out_dir / "log.jsonl"
     if rank == 0:
         _truncate_log(log_path, start)
