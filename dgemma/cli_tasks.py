@@ -63,27 +63,37 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     sampling = {"seed": args.seed if args.seed is not None else 0}
     if args.steps is not None:
         sampling["max_denoising_steps"] = args.steps
+    if args.attempts < 1:
+        raise ValueError(f"--attempts must be at least 1, got {args.attempts}")
     start = time.perf_counter()
     if args.show_canvas:
         import torch
 
-        live, show = _live_grid(tokenizer, puzzle)
         pins = torch.tensor([[-1 if t is None else t for t in sudoku.template(tokenizer, puzzle)]])
-        result = None
-        with live:
-            for event in stream(
-                model, sudoku.prompt_ids(tokenizer, puzzle), pins=pins, max_new_tokens=81, stop_token_ids=[], **sampling
-            ):
-                if isinstance(event, DraftEvent):
-                    show(event)
-                elif isinstance(event, DoneEvent):
-                    result = event.result
-        grid = sudoku.decode_grid(tokenizer, result.tokens[0])
-        solved = sudoku.ModelSolve(
-            puzzle, grid, sudoku.is_solution(grid, puzzle), True, result.stats.steps_per_canvas[0][0], result
-        )
+        steps = 0
+        for attempt in range(args.attempts):
+            live, show = _live_grid(tokenizer, puzzle)
+            result = None
+            with live:
+                for event in stream(
+                    model,
+                    sudoku.prompt_ids(tokenizer, puzzle),
+                    pins=pins,
+                    max_new_tokens=81,
+                    stop_token_ids=[],
+                    **{**sampling, "seed": sampling["seed"] + attempt},
+                ):
+                    if isinstance(event, DraftEvent):
+                        show(event)
+                    elif isinstance(event, DoneEvent):
+                        result = event.result
+            grid = sudoku.decode_grid(tokenizer, result.tokens[0])
+            steps += result.stats.steps_per_canvas[0][0]
+            solved = sudoku.ModelSolve(puzzle, grid, sudoku.is_solution(grid, puzzle), True, steps, result, attempt + 1)
+            if solved.solved:
+                break
     else:
-        solved = sudoku.solve_batch(model, tokenizer, [puzzle], **sampling)[0]
+        solved = sudoku.solve_batch(model, tokenizer, [puzzle], attempts=args.attempts, **sampling)[0]
     seconds = time.perf_counter() - start
     if args.json:
         print(
@@ -94,6 +104,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
                     "solved": solved.solved,
                     "clues_kept": solved.clues_kept,
                     "steps": solved.steps,
+                    "attempts": solved.attempts,
                     "seconds": round(seconds, 4),
                 }
             )
@@ -104,7 +115,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         for a, b in zip(left, right, strict=True):
             print(f"{a:26s} {b}")
         verdict = "solved" if solved.solved else "NOT solved (the model's grid breaks a rule)"
-        print(f"{verdict} in {solved.steps} denoising steps, {seconds:.2f} s")
+        tries = f" over {solved.attempts} attempts" if solved.attempts > 1 else ""
+        print(f"{verdict} in {solved.steps} denoising steps{tries}, {seconds:.2f} s")
     return 0 if solved.solved else 1
 
 
@@ -131,10 +143,17 @@ def register(sub) -> None:
     add_quant_args(s)
     s.add_argument("--steps", type=int, default=None, help="maximum denoising steps (default: the model's 48)")
     s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
+    s.add_argument(
+        "--attempts",
+        type=int,
+        default=1,
+        help="denoise up to N canvases (seeds SEED, SEED+1, ...) until the grid passes the rule check "
+        "(default 1: the model's first answer)",
+    )
     s.add_argument("--show-canvas", action="store_true", help="watch the grid fill in, step by step")
     s.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object: puzzle, solution, solved, clues_kept, steps, seconds",
+        help="print one JSON object: puzzle, solution, solved, clues_kept, steps, attempts, seconds",
     )
     s.set_defaults(func=cmd_sudoku)

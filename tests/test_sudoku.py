@@ -119,6 +119,18 @@ def test_model_solve_keeps_clues(tiny_sudoku_model):
     assert all(o.steps <= 2 for o in out)
 
 
+def test_retries_are_fresh_seeded_canvases(tiny_sudoku_model):
+    """An unsolved puzzle is denoised again with the next seed; steps add up over the attempts."""
+    model, tok = sudoku.load_model(tiny_sudoku_model)
+    first, second = (sudoku.solve_batch(model, tok, [PUZZLE], max_denoising_steps=2, seed=s)[0] for s in (0, 1))
+    assert not first.solved and not second.solved  # an untrained model
+    both = sudoku.solve_batch(model, tok, [PUZZLE], attempts=2, max_denoising_steps=2, seed=0)[0]
+    assert both.attempts == 2 and both.solution == second.solution
+    assert both.steps == first.steps + second.steps
+    with pytest.raises(ValueError, match="attempts"):
+        sudoku.solve_batch(model, tok, [PUZZLE], attempts=0)
+
+
 def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
     args = ["sudoku", "--model", str(tiny_sudoku_model), "--steps", "2", "--seed", "0"]
     code = main([*args, PUZZLE, "--json"])
@@ -131,6 +143,13 @@ def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
     assert "solution" in captured.out and "step" in captured.err
     main([*args, "--level", "hard"])
     assert "denoising steps" in capsys.readouterr().out
+    main([*args, PUZZLE, "--attempts", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["attempts"] == (1 if out["solved"] else 2) and out["steps"] <= 4
+    main([*args, PUZZLE, "--attempts", "2", "--show-canvas"])
+    assert "over 2 attempts" in capsys.readouterr().out
+    assert main([*args, PUZZLE, "--attempts", "0"]) == 2
+    assert "--attempts must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

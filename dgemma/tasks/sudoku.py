@@ -458,8 +458,9 @@ class ModelSolve:
     solution: str  # 81 digits (0 where the model produced something that is not a digit)
     solved: bool  # a valid grid that keeps every clue
     clues_kept: bool
-    steps: int  # denoising steps the canvas took
-    result: object  # the GenerationResult
+    steps: int  # denoising steps the canvas took (summed over attempts)
+    result: object  # the GenerationResult of the last attempt
+    attempts: int = 1  # canvases denoised for this puzzle (see solve_batch's `attempts`)
 
 
 def load_model(path: str | Path | None = None, quant: str | None = None, group_size: int = 64):
@@ -476,16 +477,33 @@ def load_model(path: str | Path | None = None, quant: str | None = None, group_s
     return load(directory, quant=quant, group_size=group_size), Tokenizer.from_dir(directory)
 
 
-def solve_batch(model, tokenizer, puzzles: list[str], stream: bool = False, **sampling) -> list[ModelSolve]:
-    """Solve puzzles with the model: the canvas starts with the clues pinned, the blanks are denoised."""
+def solve_batch(model, tokenizer, puzzles: list[str], attempts: int = 1, **sampling) -> list[ModelSolve]:
+    """Solve puzzles with the model: the canvas starts with the clues pinned, the blanks are denoised.
+
+    With `attempts` > 1, a puzzle whose grid is not a valid solution is denoised again from a fresh
+    random canvas (seed + 1, + 2, ...; verified retries: the check is the rule check, not a solver), up
+    to `attempts` canvases in all; `steps` then counts the steps of every attempt.
+    """
     from ..editing import fill
 
-    templates = [template(tokenizer, p) for p in puzzles]
-    prompts = [prompt_ids(tokenizer, p) for p in puzzles]
-    result = fill(model, templates, prompts, **sampling)
-    out = []
-    for i, p in enumerate(puzzles):
-        grid = decode_grid(tokenizer, result.tokens[i])
-        kept = all(c in (BLANK, g) for c, g in zip(p, grid, strict=True))
-        out.append(ModelSolve(p, grid, is_solution(grid, p), kept, result.stats.steps_per_canvas[i][0], result))
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
+    seed = sampling.pop("seed", None)
+    out: list[ModelSolve | None] = [None] * len(puzzles)
+    spent = [0] * len(puzzles)
+    todo = list(range(len(puzzles)))
+    for attempt in range(attempts):
+        batch = [puzzles[i] for i in todo]
+        templates = [template(tokenizer, p) for p in batch]
+        prompts = [prompt_ids(tokenizer, p) for p in batch]
+        result = fill(model, templates, prompts, seed=None if seed is None else seed + attempt, **sampling)
+        for row, i in enumerate(todo):
+            p = puzzles[i]
+            grid = decode_grid(tokenizer, result.tokens[row])
+            kept = all(c in (BLANK, g) for c, g in zip(p, grid, strict=True))
+            spent[i] += result.stats.steps_per_canvas[row][0]
+            out[i] = ModelSolve(p, grid, is_solution(grid, p), kept, spent[i], result, attempt + 1)
+        todo = [i for i in todo if not out[i].solved]
+        if not todo:
+            break
     return out
