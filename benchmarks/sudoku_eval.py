@@ -156,7 +156,7 @@ def _plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 5.2), dpi=120)
     for level, marker in (("easy", "o"), ("medium", "s"), ("hard", "^"), ("all", "D")):
         pts = [
             (r["levels"][level]["mean_steps"], r["levels"][level]["solve_rate"])
@@ -181,7 +181,7 @@ def _plot(runs: list[dict], path: Path) -> None:
     ax.set_ylabel("exact solves (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax.set_title("Sudoku: dgemma's diffusion model vs its AR twin")
     fig.tight_layout()
     fig.savefig(path)
