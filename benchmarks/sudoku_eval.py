@@ -97,6 +97,12 @@ def main() -> None:
         help="also measure verified retries: an unsolved grid is denoised again with the next seed, up to N "
         "canvases; steps count every attempt (default 4; 1 skips it)",
     )
+    parser.add_argument(
+        "--short-attempts",
+        type=int,
+        default=40,
+        help="also measure verified retries of short canvases (<= 8 steps each), up to N (default 40; 1 skips it)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.data.is_file():
@@ -120,6 +126,10 @@ def main() -> None:
     if args.attempts > 1:
         name = f"retries: default sampler, <= {args.attempts} attempts"
         runs.append(evaluate(name, diffusion(attempts=args.attempts), puzzles, args.batch))
+    if args.short_attempts > 1:
+        name = f"retries: <= 8 steps, <= {args.short_attempts} attempts"
+        kw = {"max_denoising_steps": 8, "attempts": args.short_attempts}
+        runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.ar_model and (args.ar_model / "config.json").is_file():
         ar_model, ar_tok = sudoku.load_model(args.ar_model)
         dgemma.accelerate(ar_model)
@@ -168,7 +178,8 @@ def _plot(runs: list[dict], path: Path) -> None:
     for r in runs:
         if r["name"].startswith("retries"):
             v = r["levels"]["all"]
-            ax.plot(v["mean_steps"], 100 * v["solve_rate"], "k*", markersize=11, label=f"{r['name']}, all")
+            marker = "k*" if "default" in r["name"] else "kP"
+            ax.plot(v["mean_steps"], 100 * v["solve_rate"], marker, markersize=10, label=f"{r['name']}, all")
         if r["name"].startswith("AR"):
             ax.axhline(
                 100 * r["levels"]["all"]["solve_rate"],
