@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ def _live_grid(tokenizer, puzzle: str):
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     """Solve one Sudoku puzzle with the model and print the grid (or JSON)."""
-    from .generate import DoneEvent, DraftEvent, stream
+    from .generate import DraftEvent
     from .tasks import sudoku
 
     puzzle = _read_puzzle(args)
@@ -65,34 +66,13 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         sampling["max_denoising_steps"] = args.steps
     if args.attempts < 1:
         raise ValueError(f"--attempts must be at least 1, got {args.attempts}")
-    start = time.perf_counter()
-    if args.show_canvas:
-        import torch
-
-        pins = torch.tensor([[-1 if t is None else t for t in sudoku.template(tokenizer, puzzle)]])
-        steps = 0
-        for attempt in range(args.attempts):
-            live, show = _live_grid(tokenizer, puzzle)
-            result = None
-            with live:
-                for event in stream(
-                    model,
-                    sudoku.prompt_ids(tokenizer, puzzle),
-                    pins=pins,
-                    max_new_tokens=81,
-                    stop_token_ids=[],
-                    **{**sampling, "seed": sampling["seed"] + attempt},
-                ):
-                    if isinstance(event, DraftEvent):
-                        show(event)
-                    elif isinstance(event, DoneEvent):
-                        result = event.result
-            grid = sudoku.decode_grid(tokenizer, result.tokens[0])
-            steps += result.stats.steps_per_canvas[0][0]
-            solved = sudoku.ModelSolve(puzzle, grid, sudoku.is_solution(grid, puzzle), True, steps, result, attempt + 1)
-            if solved.solved:
-                break
+    if args.show_canvas:  # redraw the grid at every draft, across the attempts
+        live, show = _live_grid(tokenizer, puzzle)
+        sampling["on_event"] = lambda event: show(event) if isinstance(event, DraftEvent) else None
     else:
+        live = contextlib.nullcontext()
+    start = time.perf_counter()
+    with live:
         solved = sudoku.solve_batch(model, tokenizer, [puzzle], attempts=args.attempts, **sampling)[0]
     seconds = time.perf_counter() - start
     if args.json:

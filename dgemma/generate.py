@@ -580,9 +580,14 @@ def drive(model: DiffusionGemma, loop: Generator, observe=None) -> Iterator[Even
             yield item
 
 
-def generate(model: DiffusionGemma, prompt, params: SamplingParams | None = None, **kwargs) -> GenerationResult:
-    """Generate and return the result (see `stream` for the arguments)."""
+def generate(
+    model: DiffusionGemma, prompt, params: SamplingParams | None = None, on_event=None, **kwargs
+) -> GenerationResult:
+    """Generate and return the result (see `stream` for the arguments); `on_event(event)`, if given,
+    sees every event on the way (drafts, commits), e.g. to draw the canvas live."""
     for event in stream(model, prompt, params, **kwargs):
+        if on_event is not None:
+            on_event(event)
         if isinstance(event, DoneEvent):
             return event.result
     raise AssertionError("stream ended without a DoneEvent")

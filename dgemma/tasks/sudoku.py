@@ -482,7 +482,8 @@ def solve_batch(model, tokenizer, puzzles: list[str], attempts: int = 1, **sampl
 
     With `attempts` > 1, a puzzle whose grid is not a valid solution is denoised again from a fresh
     random canvas (seed + 1, + 2, ...; verified retries: the check is the rule check, not a solver), up
-    to `attempts` canvases in all; `steps` then counts the steps of every attempt.
+    to `attempts` canvases in all; `steps` then counts the steps of every attempt. `sampling` goes to
+    `editing.fill` (SamplingParams fields, `seed`, `on_event` to watch the drafts).
     """
     from ..editing import fill
 
