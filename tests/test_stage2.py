@@ -197,6 +197,10 @@ def test_stage2_cli_and_config_errors(records, tmp_path, capsys):
     path.write_text(yaml.safe_dump(bad))
     assert main(["train", str(path)]) == 2
     assert "group_size" in capsys.readouterr().err
+    bad = dict(cfg, stage2=dict(cfg["stage2"], distill_target="oracle"))
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["train", str(path)]) == 2
+    assert "distill_target" in capsys.readouterr().err
     assert json.loads((tmp_path / "c" / "log.jsonl").read_text().splitlines()[-1])["step"] == 1
 
 
@@ -218,3 +222,9 @@ def test_a_step_with_nothing_to_learn_still_advances(records, tmp_path, monkeypa
     train_stage2(cfg, progress=False)
     step = next(r for r in log_records(tmp_path / "f") if r["step"] == 1 and "loss" in r)
     assert step["grad_norm"] == 0.0 and step["reward"] == 0.0 and step["distill_states"] == 0
+    # With reference targets the same step still distils: every rollout toward its record's completion.
+    cfg = _config(records, tmp_path / "g", distill_target="reference")
+    cfg.train.steps = 1
+    train_stage2(cfg, progress=False)
+    step = next(r for r in log_records(tmp_path / "g") if r["step"] == 1 and "loss" in r)
+    assert step["reward"] == 0.0 and step["grad_norm"] > 0 and step["distill_states"] >= 3 * 2

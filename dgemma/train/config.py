@@ -94,7 +94,8 @@ class Stage2Section:
     kl_coef: float = 0.02
     states_per_trajectory: int = 4  # sampler states per rollout used by the distillation loss
     # the distillation target of a rollout: its own final canvas (final) or the teacher's (teacher), kept
-    # only when the verifier gives it at least target_threshold
+    # only when the verifier gives it at least target_threshold; or the record's own completion for every
+    # rollout, solved or not (reference: right where the task has one answer, as Sudoku does)
     distill_target: str = "final"
     sampling: dict[str, Any] = field(default_factory=dict)  # the student's sampler (SamplingParams fields)
     teacher_sampling: dict[str, Any] = field(
@@ -147,8 +148,8 @@ class TrainConfig:
                     errors.append(f"stage2.{name} must be > 0")
             if s2.rl_weight < 0 or s2.distill_weight < 0 or s2.rl_weight + s2.distill_weight == 0:
                 errors.append("stage2: rl_weight and distill_weight must be >= 0, not both 0")
-            if s2.distill_target not in ("final", "teacher"):
-                errors.append(f"stage2.distill_target must be final or teacher (got {s2.distill_target!r})")
+            if s2.distill_target not in ("final", "teacher", "reference"):
+                errors.append(f"stage2.distill_target must be final, teacher or reference (got {s2.distill_target!r})")
             if s2.rl_weight > 0 and s2.group_size < 2:
                 errors.append("stage2.group_size must be >= 2 for RL (advantages compare a group's members)")
             if self.lora is not None:

@@ -165,6 +165,8 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
                             targets[i] = runs[best].final
                 per_run = [targets[i // g] for i in range(len(runs))]
                 record["teacher_solved"] = sum(w >= s2.target_threshold for w in teacher_rewards) / len(prompts)
+            elif s2.distill_target == "reference":  # the record's answer, from every state of every rollout
+                per_run = [references[i // g] for i in range(len(runs))]
             else:  # each verified rollout's own end: from every state it visited, predict where it arrived
                 per_run = [r.final if w >= s2.target_threshold else None for r, w in zip(runs, rewards, strict=True)]
             distill, used = distillation_loss(
