@@ -6,10 +6,11 @@
 Sudoku (held-out test puzzles): solve rate, cell accuracy, mean denoising steps per puzzle, tokens per
 forward (blank cells / steps: the mean over puzzles, and pooled: all blank cells / all steps) and wall
 time per puzzle, with the default sampler (<= 48 steps, adaptive stop) and with <= 16, <= 8 and <= 4
-steps. Code (held-out files, the spans of benchmarks/code_eval.py): infill
-exact match and parse rate, steps per canvas, tokens per forward, wall time per canvas. Both models run
-the same sampler settings, in one process. Prints a table, writes a PNG (quality against tokens per
-forward, one line per model) and ends with one JSON line. `--before` defaults to the shipped model.
+steps. Code (held-out files, the spans of benchmarks/code_eval.py): infill exact match and parse rate,
+steps per canvas, tokens per forward, wall time per canvas. Both models run the same sampler settings,
+in one process. Prints a table, writes a PNG (quality against tokens per
+forward, one line per model) and ends with one JSON line. `--before` defaults to the stage-1 model:
+models/sudoku-stage1 (the shipped Sudoku model is stage 2) or the shipped code model.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def code_rows(model_dir: Path, data: Path, n: int, seed: int = 0) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=["sudoku", "code"], required=True)
-    ap.add_argument("--before", type=Path, default=None, help="stage-1 model (default: the shipped one)")
+    ap.add_argument("--before", type=Path, default=None, help="stage-1 model (default: see above)")
     ap.add_argument("--after", type=Path, required=True, help="stage-2 model")
     ap.add_argument("--data", type=Path, default=None, help="default: the task's test split under recipes/data")
     ap.add_argument("--limit", type=int, default=None, help="Sudoku: the first N test puzzles (default all)")
@@ -125,7 +126,7 @@ def main() -> None:
     data = args.data or ROOT / "recipes" / "data" / args.task / "test.jsonl"
     if not data.is_file():
         raise SystemExit(f"{data} not found: build it with python recipes/{args.task}_data.py")
-    before = args.before or (sudoku.MODEL_DIR if args.task == "sudoku" else ROOT / "dgemma" / "models" / "code")
+    before = args.before or ROOT / ("models/sudoku-stage1" if args.task == "sudoku" else "dgemma/models/code")
     models = {"stage 1": before, "stage 2": args.after}
     results = {}
     for name, path in models.items():
