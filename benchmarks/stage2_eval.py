@@ -8,9 +8,9 @@ forward (blank cells / steps: the mean over puzzles, and pooled: all blank cells
 time per puzzle, with the default sampler (<= 48 steps, adaptive stop) and with <= 16, <= 8 and <= 4
 steps. Code (held-out files, the spans of benchmarks/code_eval.py): infill exact match and parse rate,
 steps per canvas, tokens per forward, wall time per canvas. Both models run the same sampler settings,
-in one process. Prints a table, writes a PNG (quality against tokens per
-forward, one line per model) and ends with one JSON line. `--before` defaults to the stage-1 model:
-models/sudoku-stage1 (the shipped Sudoku model is stage 2) or the shipped code model.
+in one process. Prints a table, writes a PNG (quality against tokens per forward, one line per model)
+and ends with one JSON line. `--before` defaults to the stage-1 model: models/sudoku-stage1 (the shipped
+Sudoku model is stage 2) or the shipped code model.
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ def register(sub) -> None:
         type=int,
         default=1,
         help="denoise up to N canvases (seeds SEED, SEED+1, ...) until the grid passes the rule check "
-        "(default 1: the model's first answer)",
+        "(default 1: the model's first answer; the stage-1 model in a clone's models/sudoku-stage1 varies "
+        "more between seeds and retries better: docs/sudoku.md)",
     )
     s.add_argument("--show-canvas", action="store_true", help="watch the grid fill in, step by step")
     s.add_argument(

@@ -10,7 +10,9 @@ state is the canvas a *teacher* finally committed: the stage-1 model run with a 
 sampler (a stricter entropy bound, or a fixed number of tokens per step, and more steps), kept only where
 a verifier accepts it (the puzzle is solved; the infill matches). Learning to predict, from an early
 state, what the careful teacher ends with makes the student confident sooner (more tokens accepted per
-forward) without moving its answers away from verified ones.
+forward) without moving its answers away from verified ones. Which canvas is the target is stage2.py's
+choice (`distill_target`): the rollout's own verified end, a teacher's verified canvas, or the record's
+completion for every rollout (docs/stage2.md compares them).
 
 This combines self-distillation through time (SDTT, Deschenaux & Gulcehre, arXiv 2410.21035: a student
 matches, in fewer steps, what a teacher reaches in more) with on-policy states (the student's own sampler
