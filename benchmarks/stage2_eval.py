@@ -137,21 +137,17 @@ def main() -> None:
             results[name] = code_rows(path, data, args.spans)
     quality = "solve rate" if args.task == "sudoku" else "infill exact"
     extra = "cells" if args.task == "sudoku" else "parses"
-    pooled = args.task == "sudoku"
-    print(
-        f"| model | sampler | {quality} | {extra} | steps | tokens/forward |"
-        + (" pooled tokens/forward |" if pooled else "")
-        + " ms per item |"
-    )
-    print("|---|---|---:|---:|---:|---:|" + ("---:|" if pooled else "") + "---:|")
+    # (header, row key, format); the pooled figure exists where the rows counted their tokens (Sudoku)
+    columns = [(quality, "quality", ".1%"), (extra, extra, ".1%"), ("steps", "steps", ".1f")]
+    columns += [("tokens/forward", "tokens_per_forward", ".2f")]
+    if "pooled_tokens_per_forward" in results["stage 1"][0]:
+        columns += [("pooled tokens/forward", "pooled_tokens_per_forward", ".2f")]
+    columns += [("ms per item", "ms_per_item", ".1f")]
+    print("| model | sampler | " + " | ".join(h for h, _, _ in columns) + " |")
+    print("|---|---|" + "---:|" * len(columns))
     for name, rows in results.items():
         for r in rows:
-            print(
-                f"| {name} | {r['setting']} | {r['quality']:.1%} | {r[extra]:.1%} | {r['steps']:.1f} | "
-                f"{r['tokens_per_forward']:.2f} |"
-                + (f" {r['pooled_tokens_per_forward']:.2f} |" if pooled else "")
-                + f" {r['ms_per_item']:.1f} |"
-            )
+            print(f"| {name} | {r['setting']} | " + " | ".join(format(r[k], f) for _, k, f in columns) + " |")
     plot = args.plot or ROOT / "docs" / f"stage2_{args.task}.png"
     _plot(results, quality, plot)
     print(f"plot: {plot}")
