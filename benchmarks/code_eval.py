@@ -31,56 +31,15 @@ from pathlib import Path
 import torch
 
 import dgemma
+from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("line", "expression", "body")
-
-
-def _offsets(text: str) -> list[int]:
-    starts, pos = [], 0
-    for line in text.splitlines(keepends=True):
-        starts.append(pos)
-        pos += len(line)
-    return starts
+KINDS = code.SPAN_KINDS
 
 
 def spans(text: str, rng: random.Random, tok, max_tokens: int, per_kind: int) -> list[tuple[str, int, int]]:
     """(kind, start, end) character spans of one file to remove and fill back."""
-    tree = ast.parse(text)
-    starts = _offsets(text)
-    lines = text.splitlines(keepends=True)
-
-    def char(lineno: int, col: int) -> int:
-        return starts[lineno - 1] + len(lines[lineno - 1].encode()[:col].decode(errors="ignore"))
-
-    def small(a: int, b: int) -> bool:
-        return 0 < len(tok.encode(text[a:b], add_special_tokens=False)) <= max_tokens
-
-    found: dict[str, list[tuple[int, int]]] = {k: [] for k in KINDS}
-    for i, line in enumerate(lines):
-        body = line.strip()
-        if body and not body.startswith("#"):
-            a = starts[i] + len(line) - len(line.lstrip())
-            b = starts[i] + len(line.rstrip("\n"))
-            if small(a, b):
-                found["line"].append((a, b))
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.expr)
-            and not isinstance(node, ast.Name | ast.Constant)
-            and node.end_lineno == node.lineno
-        ):
-            a, b = char(node.lineno, node.col_offset), char(node.end_lineno, node.end_col_offset)
-            if b - a >= 3 and small(a, b):
-                found["expression"].append((a, b))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
-            first, last = node.body[0], node.body[-1]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and len(node.body) > 1:
-                first = node.body[1]  # keep the docstring: it says what the body should do
-            a = starts[first.lineno - 1] + len(lines[first.lineno - 1]) - len(lines[first.lineno - 1].lstrip())
-            b = char(last.end_lineno, last.end_col_offset)
-            if small(a, b):
-                found["body"].append((a, b))
+    found = code.syntax_spans(text, lambda s: len(tok.encode(s, add_special_tokens=False)), max_tokens)
     out = []
     for kind in KINDS:
         picks = sorted(set(found[kind]))
@@ -141,7 +100,7 @@ def continuation_cases(files: list[dict], rng: random.Random, n: int) -> list[tu
     cases = []
     for f in files:
         tree = ast.parse(f["text"])
-        starts = _offsets(f["text"])
+        starts = code.line_starts(f["text"])
         for node in tree.body[1:]:
             cases.append((f["text"], f["text"][: starts[node.lineno - 1]]))
     rng.shuffle(cases)

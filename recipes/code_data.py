@@ -4,8 +4,10 @@ training split, and tokenised training records (continuation and infilling, see 
     python recipes/code_data.py [--vocab 4096] [--canvas 64] [--context 192] [--out recipes/data/code]
 
 Writes tokenizer/ (tokenizer.json + config + chat template), {train,validation,test}.jsonl (the source
-files: path and text), {train,validation}-records.jsonl, and manifest.json (Python version, file counts,
-tokens, a hash of the file list). Deterministic for a given Python version and --seed; about a minute.
+files: path and text), {train,validation}-records.jsonl, {train,validation}-syntax-records.jsonl (the
+second training stage: half of the records infill a whole line, expression or function body, with a
+shorter --syntax-context) and manifest.json (Python version, file counts, tokens, a hash of the file
+list). Deterministic for a given Python version and --seed; a few minutes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def main() -> None:
     parser.add_argument("--canvas", type=int, default=64, help="canvas length of the model (default 64)")
     parser.add_argument("--context", type=int, default=192, help="prompt tokens before a canvas (default 192)")
     parser.add_argument("--epochs", type=int, default=4, help="passes of record drawing over the train files")
+    parser.add_argument(
+        "--syntax-context", type=int, default=128, help="prompt tokens of the syntax records (default 128)"
+    )
+    parser.add_argument(
+        "--syntax-share", type=float, default=0.5, help="share of syntactic-span infills in them (default 0.5)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data" / "code")
     args = parser.parse_args()
@@ -52,6 +60,15 @@ def main() -> None:
             canvas=args.canvas,
             epochs=epochs,
         )
+        counts[f"{split}-syntax"] = code.write_records(
+            by_split[split],
+            tokenizer,
+            args.out / f"{split}-syntax-records.jsonl",
+            seed=args.seed,
+            context=args.syntax_context,
+            canvas=args.canvas,
+            syntax_share=args.syntax_share,
+        )
     manifest = {
         "python": platform.python_version(),
         "files": {s: len(g) for s, g in by_split.items()},
@@ -62,6 +79,8 @@ def main() -> None:
         "vocab": args.vocab,
         "canvas": args.canvas,
         "context": args.context,
+        "syntax_context": args.syntax_context,
+        "syntax_share": args.syntax_share,
         "file_list_sha256": hashlib.sha256("\n".join(f.path for f in files).encode()).hexdigest(),
     }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -78,3 +78,67 @@ def test_write_records(tmp_path):
     n = code.write_records(files, tok, tmp_path / "r.jsonl", seed=0, context=16, canvas=8)
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
     assert n == len(lines) > 0 and all(json.loads(line)["prompt_ids"] for line in lines)
+
+
+SOURCE = '''import os
+
+
+def area(width, height):
+    """Rectangle area."""
+    return width * height
+
+
+def shout(name: str) -> str:
+    # a comment line is not a span
+    text = name.upper() + "!"
+    return text
+
+
+value = area(2, len(os.sep))
+'''
+
+
+def test_syntax_spans_are_whole_units():
+    spans = code.syntax_spans(SOURCE, len, max_tokens=40)  # one "token" per character
+    texts = {k: {SOURCE[a:b] for a, b in v} for k, v in spans.items()}
+    assert "return width * height" in texts["line"] and "# a comment line is not a span" not in texts["line"]
+    assert {"width * height", "name.upper()", 'name.upper() + "!"', "len(os.sep)"} <= texts["expression"]
+    assert "return width * height" in texts["body"]  # the docstring stays in the prefix
+    assert 'text = name.upper() + "!"\n    return text' not in texts["body"]  # 41 characters: over the limit
+    for a, b in spans["expression"]:
+        compile(SOURCE[a:b], "<span>", "eval")  # a whole expression
+    for kind, found in spans.items():
+        assert all(0 < b - a <= 40 for a, b in found), kind
+    longer = code.syntax_spans(SOURCE, len, max_tokens=60)
+    assert 'text = name.upper() + "!"\n    return text' in {SOURCE[a:b] for a, b in longer["body"]}
+
+
+def test_syntax_records_infill_whole_units_tokenised_apart(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "m.py").write_text(SOURCE * 3)
+    files = code.collect(root)
+    tok = code.train_tokenizer([f.text for f in files], vocab_size=300)
+    canvas, context = 24, 16
+    n = code.write_records(files, tok, tmp_path / "s.jsonl", seed=0, context=context, canvas=canvas, syntax_share=1.0)
+    records = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert n == len(records) > 0
+    whole = {
+        SOURCE[a:b]
+        for found in code.syntax_spans(
+            SOURCE, lambda s: len(tok.encode(s, add_special_tokens=False)), canvas // 2
+        ).values()
+        for a, b in found
+    }
+    for r in records:
+        middle = r["pinned"].count(0)
+        assert r["pinned"] == [0] * middle + [1] * (canvas - middle) and 0 < middle <= canvas // 2
+        mid = r["completion_ids"][:middle]
+        assert tok.decode(mid) in whole
+        assert mid == tok.encode(tok.decode(mid), add_special_tokens=False)  # tokenised on its own
+        assert 0 < len(r["prompt_ids"]) <= context
+        # prefix, middle and the visible suffix are consecutive text of the file
+        ids = r["prompt_ids"] + r["completion_ids"]
+        while ids[-1] == tok.eos_token_id:
+            ids = ids[:-1]
+        assert tok.decode(ids) in files[0].text
