@@ -14,7 +14,7 @@
 
 Prints a table, writes a PNG plot, ends with one JSON line.
 
-    python benchmarks/code_eval.py [--model DIR] [--ar-model DIR] [--spans 40] [--snippets 30]
+    python benchmarks/code_eval.py [--model DIR] [--ar-model DIR] [--spans 100] [--snippets 30]
 
 By default: the shipped code model (dgemma/models/code) and its AR twin (models/code-ar, beside the package).
 """
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "dgemma" / "models" / "code")
     ap.add_argument("--ar-model", type=Path, default=ROOT / "models" / "code-ar")
     ap.add_argument("--data", type=Path, default=ROOT / "recipes" / "data" / "code" / "test.jsonl")
-    ap.add_argument("--spans", type=int, default=40, help="spans per kind (default 40)")
+    ap.add_argument("--spans", type=int, default=100, help="spans per kind (default 100)")
     ap.add_argument("--snippets", type=int, default=30, help="continuation prompts (default 30)")
     ap.add_argument("--max-middle", type=int, default=24, help="longest middle in tokens (default 24)")
     ap.add_argument("--context", type=int, default=192, help="prompt tokens kept before the span")

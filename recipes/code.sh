@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Reproduce the shipped code models from nothing: the standard-library corpus and tokenizer, the
-# diffusion model, its AR twin, and the shipped copies (dgemma/models/code inside the package, the
-# default model of every command; models/code-ar beside it, for the evaluation). About 2 hours on
-# 2 cores (measured figures in docs/code.md).
+# diffusion model and its AR twin (stage 1: continuation and random-cut infill records; stage 2: half of
+# the records infill a whole line, expression or function body), and the shipped copies
+# (dgemma/models/code inside the package, the default model of every command; models/code-ar beside
+# it, for the evaluation). About 4 hours on 2 cores (measured figures in docs/code.md).
 #   ./recipes/code.sh && python benchmarks/code_eval.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 DGEMMA=${DGEMMA:-.venv/bin/dgemma}
-[ -f recipes/data/code/train-records.jsonl ] || "$PY" recipes/code_data.py
+[ -f recipes/data/code/train-syntax-records.jsonl ] || "$PY" recipes/code_data.py
 "$DGEMMA" train recipes/code-small.yaml
 "$DGEMMA" train recipes/code-small-ar.yaml
-recipes/ship.sh runs/code-small/final dgemma/models/code recipes/data/code/tokenizer
-recipes/ship.sh runs/code-small-ar/final models/code-ar recipes/data/code/tokenizer
+"$DGEMMA" train recipes/code-small-syntax.yaml
+"$DGEMMA" train recipes/code-small-ar-syntax.yaml
+recipes/ship.sh runs/code-small-syntax/final dgemma/models/code recipes/data/code/tokenizer
+recipes/ship.sh runs/code-small-ar-syntax/final models/code-ar recipes/data/code/tokenizer
