@@ -111,7 +111,7 @@ def syntax_spans(text: str, count_tokens: Callable[[str], int], max_tokens: int)
     def char(lineno: int, col: int) -> int:  # AST columns count UTF-8 bytes
         return starts[lineno - 1] + len(lines[lineno - 1].encode()[:col].decode(errors="ignore"))
 
-    def small(a: int, b: int) -> bool:
+    def small(a: int, b: int) -> bool:  # the length test first: it saves tokenising every long line
         return b - a <= 16 * max_tokens and 0 < count_tokens(text[a:b]) <= max_tokens
 
     found: dict[str, list[tuple[int, int]]] = {k: [] for k in SPAN_KINDS}
@@ -167,7 +167,8 @@ def _syntax_record(src: SyntaxSource, rng: random.Random, context: int, canvas: 
     if not kinds:
         return None
     a, b = rng.choice(src.spans[rng.choice(kinds)])
-    # enough characters for `context` / `canvas` tokens (a cut-off first or last token is dropped)
+    # 16 characters per token is more than any stdlib text needs, so the cut-off first token of the
+    # prefix and last token of the suffix fall outside the `context` / `canvas` tokens kept
     prompt = src.encode(src.text[max(0, a - 16 * context) : a])[-context:]
     mid = src.encode(src.text[a:b])
     after = src.encode(src.text[b : b + 16 * canvas])
