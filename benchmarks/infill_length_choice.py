@@ -1,0 +1,94 @@
+"""How `dgemma infill` should pick the middle's length: an experiment on the shipped code model.
+
+`middle_length="auto"` fills the middle at 2, 4, 8, 16, 32 tokens and keeps one. Today it keeps the fill
+whose canvas the denoiser itself scores highest (`dgemma.editing._score_canvases`); this script compares
+that with scoring the reassembled text (prefix, middle, the first 32 suffix tokens) by the encoder's
+own next-token log-likelihood of the middle and suffix, summed or averaged per token, on the first
+--spans held-out spans of each kind of benchmarks/code_eval.py. Prints exact / parses per kind and
+method, then one JSON line.
+
+    python benchmarks/infill_length_choice.py [--spans 40]      # ~4 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import code_eval
+import torch
+
+import dgemma
+from dgemma import editing
+from dgemma.tasks import code
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = [2, 4, 8, 16, 32]
+METHODS = ("denoiser", "encoder_sum", "encoder_mean")
+
+
+@torch.no_grad()
+def encoder_scores(model, prompt: list[int], fills: list[list[int]], suffix: list[int]) -> list[tuple[float, float]]:
+    """(sum, mean) next-token log-likelihood of middle + the first 32 suffix tokens after the prompt."""
+    out = []
+    for middle in fills:
+        seq = prompt + middle + suffix[:32]
+        ids = torch.tensor([seq])
+        hidden = model.encode(ids, model.new_cache(1, len(seq))).hidden_states
+        logp = torch.log_softmax(model.lm_head(hidden[0, :-1]).float(), -1)
+        token = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
+        out.append((float(token.sum()), float(token.mean())))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / "dgemma" / "models" / "code")
+    ap.add_argument("--data", type=Path, default=ROOT / "recipes" / "data" / "code" / "test.jsonl")
+    ap.add_argument("--spans", type=int, default=40, help="spans per kind (default 40)")
+    args = ap.parse_args()
+    if not args.data.is_file():
+        raise SystemExit(f"{args.data} not found: build it with python recipes/code_data.py")
+    model, tok = dgemma.load(args.model), dgemma.Tokenizer.from_dir(args.model)
+    dgemma.accelerate(model)
+    files = [json.loads(line) for line in args.data.read_text().splitlines()]
+    rng = random.Random(0)  # the same spans, in the same order, as code_eval.py
+    cases = [(k, f["text"], a, b) for f in files for k, a, b in code_eval.spans(f["text"], rng, tok, 24, per_kind=3)]
+    rng.shuffle(cases)
+    chosen = [c for k in code.SPAN_KINDS for c in [c for c in cases if c[0] == k][: args.spans]]
+    res = {k: {m: [0, 0, 0] for m in METHODS} for k in code.SPAN_KINDS}  # exact, parses, n
+    end, canvas = editing._end_token(model), model.config.canvas_length
+    t0 = time.perf_counter()
+    for kind, text, a, b in chosen:
+        prompt = editing._start_prompt(model, code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192))
+        suffix = tok.encode(text[b:], add_special_tokens=False)
+        layouts = [editing._infill_template(n, suffix, canvas, end) for n in LENGTHS]
+        r = editing.fill(model, [t for t, _ in layouts], [prompt] * len(LENGTHS), seed=0)
+        scored = [n + visible for n, (_, visible) in zip(LENGTHS, layouts, strict=True)]
+        denoiser = editing._score_canvases(model, prompt, r.tokens, scored)
+        fills = [r.tokens[i][:n] for i, n in enumerate(LENGTHS)]
+        enc = encoder_scores(model, prompt, fills, suffix)
+        picks = {
+            "denoiser": max(range(len(LENGTHS)), key=lambda i: denoiser[i]),
+            "encoder_sum": max(range(len(LENGTHS)), key=lambda i: enc[i][0]),
+            "encoder_mean": max(range(len(LENGTHS)), key=lambda i: enc[i][1]),
+        }
+        for method, i in picks.items():
+            s = code_eval._score(text, a, b, tok.decode(fills[i]), text[a:b].strip(), r.stats)
+            row = res[kind][method]
+            row[0], row[1], row[2] = row[0] + s["exact"], row[1] + s["parses"], row[2] + 1
+    print(f"{len(chosen)} spans, {time.perf_counter() - t0:.0f} s\n")
+    print("| span | n | " + " | ".join(METHODS) + " |")
+    print("|---|---:|" + "---:|" * len(METHODS))
+    for kind in code.SPAN_KINDS:
+        n = res[kind][METHODS[0]][2]
+        print(f"| {kind} | {n} | " + " | ".join(f"{res[kind][m][0]} / {res[kind][m][1]}" for m in METHODS) + " |")
+    print("(exact matches / files that parse)")
+    print(json.dumps({"benchmark": "infill_length_choice", "results": res}))
+
+
+if __name__ == "__main__":
+    main()
