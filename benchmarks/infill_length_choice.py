@@ -1,7 +1,7 @@
 """How `dgemma infill` should pick the middle's length: an experiment on the shipped code model.
 
 `middle_length="auto"` fills the middle at 2, 4, 8, 16, 32 tokens and keeps one. Today it keeps the fill
-whose canvas the denoiser itself scores highest (`dgemma.editing._score_canvases`); this script compares
+whose canvas the denoiser itself scores highest (`InfillResult.scores`); this script compares
 that with scoring the reassembled text (prefix, middle, the first 32 suffix tokens) by the encoder's
 own next-token log-likelihood of the middle and suffix, summed or averaged per token, on the first
 --spans held-out spans of each kind of benchmarks/code_eval.py. Prints exact / parses per kind and
@@ -22,11 +22,9 @@ import code_eval
 import torch
 
 import dgemma
-from dgemma import editing
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
-LENGTHS = [2, 4, 8, 16, 32]
 METHODS = ("denoiser", "encoder_sum", "encoder_mean")
 
 
@@ -60,24 +58,21 @@ def main() -> None:
     rng.shuffle(cases)
     chosen = [c for k in code.SPAN_KINDS for c in [c for c in cases if c[0] == k][: args.spans]]
     res = {k: {m: [0, 0, 0] for m in METHODS} for k in code.SPAN_KINDS}  # exact, parses, n
-    end, canvas = editing._end_token(model), model.config.canvas_length
     t0 = time.perf_counter()
     for kind, text, a, b in chosen:
-        prompt = editing._start_prompt(model, code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192))
+        prompt = code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192) or [tok.bos_token_id]
         suffix = tok.encode(text[b:], add_special_tokens=False)
-        layouts = [editing._infill_template(n, suffix, canvas, end) for n in LENGTHS]
-        r = editing.fill(model, [t for t, _ in layouts], [prompt] * len(LENGTHS), seed=0)
-        scored = [n + visible for n, (_, visible) in zip(LENGTHS, layouts, strict=True)]
-        denoiser = editing._score_canvases(model, prompt, r.tokens, scored)
-        fills = [r.tokens[i][:n] for i, n in enumerate(LENGTHS)]
+        r = dgemma.infill(model, prompt, suffix, middle_length="auto", seed=0)  # every candidate, one batch
+        lengths = list(r.scores)
+        fills = [r.result.tokens[i][:n] for i, n in enumerate(lengths)]
         enc = encoder_scores(model, prompt, fills, suffix)
         picks = {
-            "denoiser": max(range(len(LENGTHS)), key=lambda i: denoiser[i]),
-            "encoder_sum": max(range(len(LENGTHS)), key=lambda i: enc[i][0]),
-            "encoder_mean": max(range(len(LENGTHS)), key=lambda i: enc[i][1]),
+            "denoiser": lengths.index(r.middle_length),
+            "encoder_sum": max(range(len(lengths)), key=lambda i: enc[i][0]),
+            "encoder_mean": max(range(len(lengths)), key=lambda i: enc[i][1]),
         }
         for method, i in picks.items():
-            s = code_eval._score(text, a, b, tok.decode(fills[i]), text[a:b].strip(), r.stats)
+            s = code_eval._score(text, a, b, tok.decode(fills[i]), text[a:b].strip(), r.result.stats)
             row = res[kind][method]
             row[0], row[1], row[2] = row[0] + s["exact"], row[1] + s["parses"], row[2] + 1
     print(f"{len(chosen)} spans, {time.perf_counter() - t0:.0f} s\n")

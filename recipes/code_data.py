@@ -49,26 +49,22 @@ def main() -> None:
                 out.write(json.dumps({"path": f.path, "text": f.text}) + "\n")
     tokenizer = code.train_tokenizer([f.text for f in by_split["train"]], args.vocab)
     tokenizer.save(args.out / "tokenizer")
+    # (name, options): stage 1's records, then stage 2's (syntactic-span infills, shorter prompts, one pass)
+    record_sets = [
+        ("", {"context": args.context}),
+        ("-syntax", {"context": args.syntax_context, "syntax_share": args.syntax_share, "epochs": 1}),
+    ]
     counts = {}
     for split, epochs in (("train", args.epochs), ("validation", 1)):
-        counts[split] = code.write_records(
-            by_split[split],
-            tokenizer,
-            args.out / f"{split}-records.jsonl",
-            seed=args.seed,
-            context=args.context,
-            canvas=args.canvas,
-            epochs=epochs,
-        )
-        counts[f"{split}-syntax"] = code.write_records(
-            by_split[split],
-            tokenizer,
-            args.out / f"{split}-syntax-records.jsonl",
-            seed=args.seed,
-            context=args.syntax_context,
-            canvas=args.canvas,
-            syntax_share=args.syntax_share,
-        )
+        for name, options in record_sets:
+            counts[f"{split}{name}"] = code.write_records(
+                by_split[split],
+                tokenizer,
+                args.out / f"{split}{name}-records.jsonl",
+                seed=args.seed,
+                canvas=args.canvas,
+                **{"epochs": epochs, **options},
+            )
     manifest = {
         "python": platform.python_version(),
         "files": {s: len(g) for s, g in by_split.items()},
