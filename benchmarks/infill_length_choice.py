@@ -1,11 +1,11 @@
 """How `dgemma infill` should pick the middle's length: an experiment on the shipped code model.
 
-`middle_length="auto"` fills the middle at 2, 4, 8, 16, 32 tokens and keeps one. Today it keeps the fill
-whose canvas the denoiser itself scores highest (`InfillResult.scores`); this script compares
-that with scoring the reassembled text (prefix, middle, the first 32 suffix tokens) by the encoder's
-own next-token log-likelihood of the middle and suffix, summed or averaged per token, on the first
---spans held-out spans of each kind of benchmarks/code_eval.py. Prints exact / parses per kind and
-method, then one JSON line.
+`middle_length="auto"` fills the middle at 2, 4, 8, 16, 32 tokens and keeps one. This script compares
+three ways of choosing, on the first --spans held-out spans of each kind of benchmarks/code_eval.py:
+the denoiser's score of each completed canvas (`length_score="denoiser"`), and the encoder's own
+next-token log-likelihood of the middle and the first 32 suffix tokens after the prefix, summed or
+averaged per token (the mean is infill's default, `length_score="encoder"`). Prints exact / parses per
+kind and method, then one JSON line.
 
     python benchmarks/infill_length_choice.py [--spans 40]      # ~4 min on 2 cores
 """
@@ -19,27 +19,13 @@ import time
 from pathlib import Path
 
 import code_eval
-import torch
 
 import dgemma
+from dgemma import editing
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("denoiser", "encoder_sum", "encoder_mean")
-
-
-@torch.no_grad()
-def encoder_scores(model, prompt: list[int], fills: list[list[int]], suffix: list[int]) -> list[tuple[float, float]]:
-    """(sum, mean) next-token log-likelihood of middle + the first 32 suffix tokens after the prompt."""
-    out = []
-    for middle in fills:
-        seq = prompt + middle + suffix[:32]
-        ids = torch.tensor([seq])
-        hidden = model.encode(ids, model.new_cache(1, len(seq))).hidden_states
-        logp = torch.log_softmax(model.lm_head(hidden[0, :-1]).float(), -1)
-        token = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
-        out.append((float(token.sum()), float(token.mean())))
-    return out
 
 
 def main() -> None:
@@ -62,14 +48,16 @@ def main() -> None:
     for kind, text, a, b in chosen:
         prompt = code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192) or [tok.bos_token_id]
         suffix = tok.encode(text[b:], add_special_tokens=False)
-        r = dgemma.infill(model, prompt, suffix, middle_length="auto", seed=0)  # every candidate, one batch
+        # every candidate in one batch, and the denoiser's pick
+        r = dgemma.infill(model, prompt, suffix, middle_length="auto", length_score="denoiser", seed=0)
         lengths = list(r.scores)
         fills = [r.result.tokens[i][:n] for i, n in enumerate(lengths)]
-        enc = encoder_scores(model, prompt, fills, suffix)
+        suffixed = [f + suffix[: editing.SCORED_SUFFIX] for f in fills]
+        enc = editing.continuation_logprobs(model, prompt, suffixed)
         picks = {
             "denoiser": lengths.index(r.middle_length),
-            "encoder_sum": max(range(len(lengths)), key=lambda i: enc[i][0]),
-            "encoder_mean": max(range(len(lengths)), key=lambda i: enc[i][1]),
+            "encoder_sum": max(range(len(lengths)), key=lambda i: float(enc[i].sum())),
+            "encoder_mean": max(range(len(lengths)), key=lambda i: float(enc[i].mean())),
         }
         for method, i in picks.items():
             s = code_eval._score(text, a, b, tok.decode(fills[i]), text[a:b].strip(), r.result.stats)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dgemma import edit, fill, infill
+from dgemma.editing import continuation_logprobs
 from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=3, seed=0)
@@ -34,10 +36,32 @@ def test_infill_with_given_length_keeps_both_sides(model):
     assert r.result.tokens[0][3:6] == [40, 41, 42] and r.result.tokens[0][6:] == [1, 1]
 
 
-def test_infill_auto_length_scores_candidates(model):
-    r = infill(model, [5, 6, 7], [40, 41], **KW)
+@pytest.mark.parametrize("length_score", ["encoder", "denoiser"])
+def test_infill_auto_length_scores_candidates(model, length_score):
+    r = infill(model, [5, 6, 7], [40, 41], length_score=length_score, **KW)
     assert set(r.scores) == {2, 4} and r.middle_length == max(r.scores, key=r.scores.get)
     assert len(r.middle) == r.middle_length
+    if length_score == "encoder":  # the mean encoder log-probability of middle + suffix after the prefix
+        for n, score in r.scores.items():
+            fill_n = r.result.tokens[list(r.scores).index(n)][:n]
+            assert score == pytest.approx(float(_slow_logprobs(model, [5, 6, 7], [*fill_n, 40, 41]).mean()), abs=1e-5)
+
+
+@torch.no_grad()
+def _slow_logprobs(model, prompt, continuation):
+    """One row, one encode of the whole text: the reference for continuation_logprobs's batched passes."""
+    ids = torch.tensor([prompt + continuation])
+    logits = model.encode(ids, model.new_cache(1, ids.shape[1]), return_logits=True).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("prompt", [[2], [5, 6, 7], list(range(3, 40))])  # the last is longer than a window
+def test_continuation_logprobs_matches_one_row_at_a_time(model, prompt):
+    rows = [[9], [10, 11, 12, 13], list(range(20, 31))]
+    fast = continuation_logprobs(model, prompt, rows)
+    for row, got in zip(rows, fast, strict=True):
+        assert got.shape == (len(row),)
+        torch.testing.assert_close(got, _slow_logprobs(model, prompt, row), atol=1e-5, rtol=1e-5)
 
 
 def test_edit_rewrites_only_the_span(model):
@@ -70,6 +94,7 @@ def test_text_api_with_tokenizer(model, tmp_path):
         (lambda m: infill(m, [5], [6], middle_length=0), "middle_length must be"),
         (lambda m: infill(m, [5], [6], middle_length=99), "middle_length must be"),
         (lambda m: infill(m, "text", [6]), "needs a tokenizer"),
+        (lambda m: infill(m, [5], [6], length_score="best"), "length_score must be"),
         (lambda m: edit(m, [5, 6, 7], (2, 9)), "not within the text"),
         (lambda m: edit(m, [5, 6, 7], (2, 1)), "not within the text"),
         (lambda m: edit(m, [5, 6, 7], (1, 1)), "give new_length"),
