@@ -354,7 +354,9 @@ def cmd_infill(args: argparse.Namespace) -> int:
     middle_length = "auto" if length == "auto" else int(length)
     overrides = sampling_overrides(args)
     overrides.pop("early_commit")
-    result = infill(model, prefix, suffix, middle_length, tokenizer=tokenizer, **overrides)
+    result = infill(
+        model, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=args.length_score, **overrides
+    )
     if args.json:
         print(
             json.dumps(
@@ -425,7 +427,8 @@ def register(sub) -> None:
         help="fill the middle between a prefix and a suffix",
         epilog=epilog,
         description="Generate the text between a prefix and a suffix, seeing both. The middle's "
-        "length is chosen among 2, 4, 8, ... tokens by the model's own score unless given.",
+        "length is chosen among 2, 4, 8, ... tokens by the model's own score unless given: by default the "
+        "encoder's mean next-token log-probability of the middle and the start of the suffix.",
     )
     add_model_args(i)
     i.add_argument("--prefix", help="text before the gap")
@@ -434,6 +437,13 @@ def register(sub) -> None:
     i.add_argument("--suffix-file", help="read the suffix from a file")
     i.add_argument(
         "--middle-length", type=middle_length_arg, default="auto", help="tokens in the middle, or 'auto' (default)"
+    )
+    i.add_argument(
+        "--length-score",
+        choices=("encoder", "denoiser"),
+        default="encoder",
+        help="how --middle-length auto picks: the encoder reading prefix + middle + suffix (default), "
+        "or the denoiser's score of each completed canvas",
     )
     i.add_argument("--middle-only", action="store_true", help="print only the middle")
     add_sampling_args(i)

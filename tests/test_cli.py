@@ -85,6 +85,12 @@ def test_infill_command(ckpt_with_tokenizer, capsys):
     assert _cli("infill", ckpt_with_tokenizer, *args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].startswith("a = (") and out["text"].endswith(")") and out["middle_length"] == 3
+    scores = {}
+    for how in ("encoder", "denoiser"):  # auto length: both ways of scoring the candidates
+        args = ("--prefix", "a = (", "--suffix", ")", "--length-score", how, "--json", *FAST)
+        assert _cli("infill", ckpt_with_tokenizer, *args) == 0
+        scores[how] = json.loads(capsys.readouterr().out)["scores"]
+    assert scores["encoder"].keys() == scores["denoiser"].keys() and scores["encoder"] != scores["denoiser"]
 
 
 def test_chat_command(ckpt_with_tokenizer, capsys, monkeypatch):
