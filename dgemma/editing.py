@@ -20,8 +20,8 @@ With "auto", dgemma fills the middle at several lengths (2, 4, 8, ... up to what
 keeps the fill under which the text reads best: by default the encoder's mean next-token log-probability
 of the middle and the first `SCORED_SUFFIX` suffix tokens after the prefix (`length_score="encoder"`),
 or the denoiser's mean log-probability of the completed canvas (`length_score="denoiser"`). The scores
-are returned. On the shipped code model the encoder's score makes 85 of 120 held-out fills parse against
-54 for the denoiser's (benchmarks/infill_length_choice.py).
+are returned. On the shipped code model the encoder's score makes 80 of 120 held-out fills parse against
+46 for the denoiser's (benchmarks/infill_length_choice.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce the shipped code models from nothing: the standard-library corpus and tokenizer, the
-# diffusion model and its AR twin (stage 1: continuation and random-cut infill records; stage 2: half of
-# the records infill a whole line, expression or function body), and the shipped copies
+# diffusion model and its AR twin (stage 1: continuation and random-cut infill records; stage 2, in two
+# parts: half of the records infill a whole line, expression or function body), and the shipped copies
 # (dgemma/models/code inside the package, the default model of every command; models/code-ar beside
-# it, for the evaluation). About 4 hours on 2 cores (measured figures in docs/code.md).
+# it, for the evaluation). About 5 hours on 2 cores (measured figures in docs/code.md).
 #   ./recipes/code.sh && python benchmarks/code_eval.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +14,7 @@ DGEMMA=${DGEMMA:-.venv/bin/dgemma}
 "$DGEMMA" train recipes/code-small-ar.yaml
 "$DGEMMA" train recipes/code-small-syntax.yaml
 "$DGEMMA" train recipes/code-small-ar-syntax.yaml
-recipes/ship.sh runs/code-small-syntax/final dgemma/models/code recipes/data/code/tokenizer
-recipes/ship.sh runs/code-small-ar-syntax/final models/code-ar recipes/data/code/tokenizer
+"$DGEMMA" train recipes/code-small-syntax-2.yaml
+"$DGEMMA" train recipes/code-small-ar-syntax-2.yaml
+recipes/ship.sh runs/code-small-syntax-2/final dgemma/models/code recipes/data/code/tokenizer
+recipes/ship.sh runs/code-small-ar-syntax-2/final models/code-ar recipes/data/code/tokenizer
