@@ -173,11 +173,14 @@ def infill(
 
 
 @torch.no_grad()
-def continuation_logprobs(model: DiffusionGemma, prompt: list[int], continuations: list[list[int]]) -> list:
+def continuation_logprobs(
+    model: DiffusionGemma, prompt: list[int], continuations: list[list[int]]
+) -> list[torch.Tensor]:
     """The encoder's next-token log-probability of each token of each continuation after `prompt`.
 
-    One causal pass for all rows: the prompt is encoded once per row, then the continuations, right-padded
-    (a causal encoder never lets a real token see the padding after it). Returns one 1-D tensor per row.
+    All rows in one batch, in two causal passes: the prompt (but its last token), then that token and the
+    continuations, right-padded (a causal encoder never lets a real token see the padding after it).
+    Returns one 1-D tensor per row, on the CPU.
     """
     rows = len(continuations)
     if not prompt or any(not c for c in continuations):
