@@ -48,15 +48,27 @@ def spans(text: str, rng: random.Random, tok, max_tokens: int, per_kind: int) ->
     return out
 
 
+def held_out_cases(files: list[dict], rng: random.Random, tok, max_middle: int, per_kind: int) -> dict[str, list]:
+    """Up to `per_kind` (kind, text, start, end) spans of each kind, drawn from the files with `rng`."""
+    cases = [(k, f["text"], a, b) for f in files for k, a, b in spans(f["text"], rng, tok, max_middle, per_kind=3)]
+    rng.shuffle(cases)
+    return {k: [c for c in cases if c[0] == k][:per_kind] for k in KINDS}
+
+
 def _tail(ids: list[int], n: int) -> list[int]:
     return ids[-n:] if n else ids
 
 
-def infill_case(model, ar_model, tok, text: str, a: int, b: int, context: int) -> dict:
+def infill_inputs(tok, text: str, a: int, b: int, context: int) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of the span's left context (its last `context` tokens, or BOS), the middle and the suffix."""
     prefix = tok.encode(text[:a], add_special_tokens=False)
     middle = tok.encode(text[a:b], add_special_tokens=False)
     suffix = tok.encode(text[b:], add_special_tokens=False)
-    left = _tail(prefix, context) or [tok.bos_token_id]
+    return _tail(prefix, context) or [tok.bos_token_id], middle, suffix
+
+
+def infill_case(model, ar_model, tok, text: str, a: int, b: int, context: int) -> dict:
+    left, middle, suffix = infill_inputs(tok, text, a, b, context)
     truth = text[a:b].strip()
     out = {}
     for name, length in (("auto", "auto"), ("given", len(middle))):
@@ -129,12 +141,7 @@ def main() -> None:
         dgemma.accelerate(ar_model)
     files = [json.loads(line) for line in args.data.read_text().splitlines()]
     rng = random.Random(args.seed)
-    cases = []
-    for f in files:
-        for kind, a, b in spans(f["text"], rng, tok, args.max_middle, per_kind=3):
-            cases.append((kind, f["text"], a, b))
-    rng.shuffle(cases)
-    chosen = {k: [c for c in cases if c[0] == k][: args.spans] for k in KINDS}
+    chosen = held_out_cases(files, rng, tok, args.max_middle, args.spans)
 
     infill: dict[str, dict[str, list[dict]]] = {k: {} for k in KINDS}
     t0 = time.perf_counter()

@@ -39,15 +39,13 @@ def main() -> None:
     model, tok = dgemma.load(args.model), dgemma.Tokenizer.from_dir(args.model)
     dgemma.accelerate(model)
     files = [json.loads(line) for line in args.data.read_text().splitlines()]
-    rng = random.Random(0)  # the same spans, in the same order, as code_eval.py
-    cases = [(k, f["text"], a, b) for f in files for k, a, b in code_eval.spans(f["text"], rng, tok, 24, per_kind=3)]
-    rng.shuffle(cases)
-    chosen = [c for k in code.SPAN_KINDS for c in [c for c in cases if c[0] == k][: args.spans]]
+    # the same spans, in the same order, as code_eval.py (its default seed and longest middle)
+    by_kind = code_eval.held_out_cases(files, random.Random(0), tok, 24, args.spans)
+    chosen = [c for group in by_kind.values() for c in group]
     res = {k: {m: [0, 0, 0] for m in METHODS} for k in code.SPAN_KINDS}  # exact, parses, n
     t0 = time.perf_counter()
     for kind, text, a, b in chosen:
-        prompt = code_eval._tail(tok.encode(text[:a], add_special_tokens=False), 192) or [tok.bos_token_id]
-        suffix = tok.encode(text[b:], add_special_tokens=False)
+        prompt, _, suffix = code_eval.infill_inputs(tok, text, a, b, 192)
         # every candidate in one batch, and the denoiser's pick
         r = dgemma.infill(model, prompt, suffix, middle_length="auto", length_score="denoiser", seed=0)
         lengths = list(r.scores)

@@ -154,9 +154,9 @@ def infill(
     scores: dict[int, float] = {}
     best = 0
     if len(lengths) > 1:
-        fills = [row[:n] for row, n in zip(result.tokens, lengths, strict=True)]
         if length_score == "encoder":
-            logps = continuation_logprobs(model, prompt, [f + suffix[:SCORED_SUFFIX] for f in fills])
+            texts = [row[:n] + suffix[:SCORED_SUFFIX] for row, n in zip(result.tokens, lengths, strict=True)]
+            logps = continuation_logprobs(model, prompt, texts)
             values = [float(lp.mean()) for lp in logps]
         else:
             scored = [n + _infill_template(n, suffix, canvas, end)[1] for n in lengths]
