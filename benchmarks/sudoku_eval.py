@@ -3,8 +3,10 @@
 For each difficulty bucket (easy / medium / hard, by the techniques a logical solver needs): exact-solve
 rate, cell accuracy on the blanks, mean denoising steps per puzzle and puzzles/s, for the diffusion model
 with the default sampler (up to 48 steps, adaptive stop) and with small fixed step budgets, and for the AR
-twin (greedy, one token per forward, clues forced), and verified retries (an unsolved grid is denoised
-again with the next seed, up to --attempts canvases; steps count every attempt). Clue preservation is
+twin (greedy, one token per forward, clues forced), verified retries (an unsolved grid is denoised
+again with the next seed, up to --attempts canvases; steps count every attempt) and self-verified
+restarts (a canvas the model's own stop rule did not end before the step cap is started again; no rule
+check). Clue preservation is
 checked on every output. Writes a PNG plot (solve rate vs steps per puzzle, with the AR twin) and ends
 with one JSON line.
 
@@ -100,8 +102,23 @@ def main() -> None:
     parser.add_argument(
         "--short-attempts",
         type=int,
-        default=40,
+        default=sudoku.SOLVER_DEFAULTS["invalid"]["attempts"],
         help="also measure verified retries of short canvases (<= 8 steps each), up to N (default 40; 1 skips it)",
+    )
+    parser.add_argument(
+        "--self-attempts",
+        type=int,
+        default=sudoku.SOLVER_DEFAULTS["unsettled"]["attempts"],
+        help="also measure self-verified restarts of short canvases (<= 8 steps each): a canvas the model's own "
+        "stop rule (made stricter: --self-confidence) did not end is started again, up to N canvases; no rule "
+        "check (default 64; 1 skips it)",
+    )
+    parser.add_argument(
+        "--self-confidence",
+        type=float,
+        default=sudoku.SOLVER_DEFAULTS["unsettled"]["confidence_threshold"],
+        help="the stop rule's mean-entropy threshold for self-verified restarts (default 0.002; the model's own "
+        "default is 0.005): a stricter rule settles on fewer wrong grids",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -129,6 +146,11 @@ def main() -> None:
     if args.short_attempts > 1:
         name = f"retries: <= 8 steps, <= {args.short_attempts} attempts"
         kw = {"max_denoising_steps": 8, "attempts": args.short_attempts}
+        runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
+    if args.self_attempts > 1:
+        name = f"restarts: <= 8 steps, <= {args.self_attempts}, self-verified"
+        kw = {"max_denoising_steps": 8, "attempts": args.self_attempts, "retry_on": "unsettled"}
+        kw["confidence_threshold"] = args.self_confidence
         runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.ar_model and (args.ar_model / "config.json").is_file():
         ar_model, ar_tok = sudoku.load_model(args.ar_model)
@@ -176,9 +198,9 @@ def _plot(runs: list[dict], path: Path) -> None:
         pts.sort()
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, label=f"diffusion, {level}")
     for r in runs:
-        if r["name"].startswith("retries"):
+        if r["name"].startswith(("retries", "restarts")):
             v = r["levels"]["all"]
-            marker = "k*" if "default" in r["name"] else "kP"
+            marker = "k*" if "default" in r["name"] else ("kP" if r["name"].startswith("retries") else "kX")
             ax.plot(v["mean_steps"], 100 * v["solve_rate"], marker, markersize=10, label=f"{r['name']}, all")
         if r["name"].startswith("AR"):
             ax.axhline(

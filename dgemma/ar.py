@@ -82,6 +82,7 @@ def stream_ar(
     stats = GenerationStats(
         canvases=0,
         steps_per_canvas=[[] for _ in range(b)],
+        converged_per_canvas=[[] for _ in range(b)],
         decoder_forward_passes=[passes] * b,
         tokens_per_forward=[len(t) / passes for t in out],
         time_to_first_token=None if first is None else first - t0,

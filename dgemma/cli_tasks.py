@@ -62,10 +62,23 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     sudoku.solve(puzzle)  # refuses contradictory, unsolvable and ambiguous puzzles with a clear message
     model, tokenizer = sudoku.load_model(args.model, args.quant, args.group_size)
     sampling = {"seed": args.seed if args.seed is not None else 0}
-    if args.steps is not None:
-        sampling["max_denoising_steps"] = args.steps
-    if args.attempts < 1:
-        raise ValueError(f"--attempts must be at least 1, got {args.attempts}")
+    if args.one_canvas:  # the model's first answer, with its own sampler unless told otherwise
+        if args.attempts not in (None, 1) or args.retry_on is not None:
+            raise ValueError("--one-canvas denoises a single canvas: drop --attempts and --retry-on")
+        policy = {"attempts": 1, "max_denoising_steps": args.steps, "confidence_threshold": args.stop_entropy}
+    else:
+        retry_on = args.retry_on or "invalid"
+        given = {
+            "attempts": args.attempts,
+            "max_denoising_steps": args.steps,
+            "confidence_threshold": args.stop_entropy,
+        }
+        defaults = sudoku.SOLVER_DEFAULTS[retry_on]
+        policy = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
+        policy["retry_on"] = retry_on
+    sampling.update({k: v for k, v in policy.items() if v is not None})
+    if sampling["attempts"] < 1:
+        raise ValueError(f"--attempts must be at least 1, got {sampling['attempts']}")
     if args.show_canvas:  # redraw the grid at every draft, across the attempts
         live, show = _live_grid(tokenizer, puzzle)
         sampling["on_event"] = lambda event: show(event) if isinstance(event, DraftEvent) else None
@@ -73,7 +86,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         live = contextlib.nullcontext()
     start = time.perf_counter()
     with live:
-        solved = sudoku.solve_batch(model, tokenizer, [puzzle], attempts=args.attempts, **sampling)[0]
+        solved = sudoku.solve_batch(model, tokenizer, [puzzle], **sampling)[0]
     seconds = time.perf_counter() - start
     if args.json:
         print(
@@ -85,6 +98,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
                     "clues_kept": solved.clues_kept,
                     "steps": solved.steps,
                     "attempts": solved.attempts,
+                    "settled": solved.settled,
                     "seconds": round(seconds, 4),
                 }
             )
@@ -121,20 +135,45 @@ def register(sub) -> None:
     )
     s.add_argument("--model", type=Path, default=None, help="another Sudoku model directory")
     add_quant_args(s)
-    s.add_argument("--steps", type=int, default=None, help="maximum denoising steps (default: the model's 48)")
+    s.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="maximum denoising steps per canvas (default 8; with --one-canvas, the model's own 48)",
+    )
     s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
     s.add_argument(
         "--attempts",
         type=int,
-        default=1,
-        help="denoise up to N canvases (seeds SEED, SEED+1, ...) until the grid passes the rule check "
-        "(default 1: the model's first answer; the stage-1 model in a clone's models/sudoku-stage1 varies "
-        "more between seeds and retries better: docs/sudoku.md)",
+        default=None,
+        help="denoise up to N canvases (seeds SEED, SEED+1, ...), a new one while the last is not accepted "
+        "(--retry-on); steps count every canvas (default 40; 64 with --retry-on unsettled)",
+    )
+    s.add_argument(
+        "--retry-on",
+        default=None,
+        choices=["invalid", "unsettled"],
+        help="what starts a new canvas: 'invalid' (default; verified retries): the grid fails the rule check "
+        "(a repeated digit; not a solver: every grid is the model's); 'unsettled' (self-verified restarts): "
+        "the model's own stop rule did not end the last canvas before the step cap, nothing outside the "
+        "model is consulted",
+    )
+    s.add_argument(
+        "--stop-entropy",
+        type=float,
+        default=None,
+        help="the stop rule's mean-entropy threshold: a canvas settles when its draft is stable and its mean "
+        "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled)",
+    )
+    s.add_argument(
+        "--one-canvas",
+        action="store_true",
+        help="the model's first answer only: one canvas with the model's own sampler (up to 48 steps, adaptive stop)",
     )
     s.add_argument("--show-canvas", action="store_true", help="watch the grid fill in, step by step")
     s.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object: puzzle, solution, solved, clues_kept, steps, attempts, seconds",
+        help="print one JSON object: puzzle, solution, solved, clues_kept, steps, attempts, settled, seconds",
     )
     s.set_defaults(func=cmd_sudoku)

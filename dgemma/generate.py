@@ -145,6 +145,7 @@ class TokensEvent:
 class GenerationStats:
     canvases: int
     steps_per_canvas: list[list[int]]  # per row: denoising steps that row ran in each canvas
+    converged_per_canvas: list[list[bool]]  # per row and canvas: the stop rule (stable and confident) ended it
     decoder_forward_passes: list[int]
     tokens_per_forward: list[float]
     time_to_first_token: float | None  # seconds from the call to the first final token
@@ -318,6 +319,7 @@ class _Loop:
         self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
         self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
         self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
+        self.converged_per_canvas: list[list[bool]] = [[] for _ in range(self.b)]
         total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
         self.num_canvases = math.ceil(total / self.c)
 
@@ -451,6 +453,7 @@ class _Loop:
                     break
             for r in range(self.b):
                 self.steps_per_canvas[r].append(int(st.steps[r]))
+                self.converged_per_canvas[r].append(bool(st.done[r]))
             final = st.argmax
             seq, hit_stop = _sequence_canvas(final, self.stop, self.pad_id, finished_rows)
             sequences.append(seq)
@@ -475,6 +478,7 @@ class _Loop:
         stats = GenerationStats(
             canvases=sequences.shape[1] // self.c,
             steps_per_canvas=self.steps_per_canvas,
+            converged_per_canvas=self.converged_per_canvas,
             decoder_forward_passes=passes,
             tokens_per_forward=[float(n) / max(f, 1) for n, f in zip(counted.tolist(), passes, strict=True)],
             time_to_first_token=None if first is None else first - self.t0,

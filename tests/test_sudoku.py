@@ -131,25 +131,60 @@ def test_retries_are_fresh_seeded_canvases(tiny_sudoku_model):
         sudoku.solve_batch(model, tok, [PUZZLE], attempts=0)
 
 
+def test_self_verified_restarts_follow_the_stop_rule(tiny_sudoku_model):
+    """retry_on="unsettled" starts a new canvas exactly when the model's stop rule did not end the last one,
+    whether or not the grid is valid; the rule check plays no part."""
+    model, tok = sudoku.load_model(tiny_sudoku_model)
+    never = {"max_denoising_steps": 2, "confidence_threshold": 1e-12, "seed": 0}  # an untrained model never settles
+    at_once = {"max_denoising_steps": 2, "confidence_threshold": 1e9, "stability_threshold": 0, "seed": 0}
+    out = sudoku.solve_batch(model, tok, [PUZZLE], attempts=3, retry_on="unsettled", **never)[0]
+    assert (out.attempts, out.steps, out.settled) == (3, 6, False)
+    assert out.result.stats.converged_per_canvas == [[False]]
+    out = sudoku.solve_batch(model, tok, [PUZZLE], attempts=3, retry_on="unsettled", **at_once)[0]
+    assert (out.attempts, out.steps, out.settled, out.solved) == (1, 1, True, False)  # settled on a wrong grid
+    out = sudoku.solve_batch(model, tok, [PUZZLE], attempts=3, retry_on="invalid", **at_once)[0]
+    assert (out.attempts, out.steps) == (3, 3)  # the rule check retries what the model settled on
+    with pytest.raises(ValueError, match="retry_on must be one of"):
+        sudoku.solve_batch(model, tok, [PUZZLE], retry_on="never")
+
+
 def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
     args = ["sudoku", "--model", str(tiny_sudoku_model), "--steps", "2", "--seed", "0"]
-    code = main([*args, PUZZLE, "--json"])
+    code = main([*args, PUZZLE, "--one-canvas", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == (0 if out["solved"] else 1)
     assert out["puzzle"] == PUZZLE and len(out["solution"]) == 81 and out["clues_kept"] and out["steps"] <= 2
+    assert out["attempts"] == 1
     (tmp_path / "p.txt").write_text(sudoku.pretty(PUZZLE))
-    main([*args, "--file", str(tmp_path / "p.txt"), "--show-canvas"])
+    main([*args, "--file", str(tmp_path / "p.txt"), "--show-canvas", "--one-canvas"])
     captured = capsys.readouterr()
     assert "solution" in captured.out and "step" in captured.err
-    main([*args, "--level", "hard"])
+    main([*args, "--level", "hard", "--one-canvas"])
     assert "denoising steps" in capsys.readouterr().out
-    main([*args, PUZZLE, "--attempts", "2", "--json"])
+    # by default, verified retries (an untrained model never solves, so every attempt is used)
+    main([*args, PUZZLE, "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert out["attempts"] == (1 if out["solved"] else 2) and out["steps"] <= 4
+    attempts = sudoku.SOLVER_DEFAULTS["invalid"]["attempts"]
+    assert (out["attempts"], out["steps"], out["solved"]) == (attempts, 2 * attempts, False)
+    # self-verified restarts (an untrained model never settles under the strict stop rule)
+    main([*args, PUZZLE, "--retry-on", "unsettled", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    attempts = sudoku.SOLVER_DEFAULTS["unsettled"]["attempts"]
+    assert (out["attempts"], out["steps"], out["settled"]) == (attempts, 2 * attempts, False)
+    main([*args, PUZZLE, "--attempts", "3", "--retry-on", "unsettled", "--stop-entropy", "1e9", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["attempts"] == (1 if out["settled"] else 3) and not out["solved"]
+    main([*args, PUZZLE, "--attempts", "2", "--retry-on", "invalid", "--stop-entropy", "1e9", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["attempts"] == (1 if out["solved"] else 2) and out["steps"] <= 4  # the rule check retries it
     main([*args, PUZZLE, "--attempts", "2", "--show-canvas"])
     assert "over 2 attempts" in capsys.readouterr().out
     assert main([*args, PUZZLE, "--attempts", "0"]) == 2
     assert "--attempts must be at least 1" in capsys.readouterr().err
+    assert main([*args, PUZZLE, "--one-canvas", "--attempts", "4"]) == 2
+    assert "--one-canvas denoises a single canvas" in capsys.readouterr().err
+    assert main([*args, PUZZLE, "--stop-entropy", "0"]) == 2
+    assert "confidence_threshold must be > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
