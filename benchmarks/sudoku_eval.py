@@ -110,7 +110,7 @@ def main() -> None:
         type=int,
         default=sudoku.SOLVER_DEFAULTS["unsettled"]["attempts"],
         help="also measure self-verified restarts of short canvases (<= 8 steps each): a canvas the model's own "
-        "stop rule (made stricter: --self-confidence) did not end is started again, up to N canvases; no rule "
+        "stop rule (made stricter: sudoku.SOLVER_DEFAULTS) did not end is started again, up to N canvases; no rule "
         "check (default 64; 1 skips it)",
     )
     parser.add_argument(
@@ -149,8 +149,8 @@ def main() -> None:
         runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.self_attempts > 1:
         name = f"restarts: <= 8 steps, <= {args.self_attempts}, self-verified"
-        kw = {"max_denoising_steps": 8, "attempts": args.self_attempts, "retry_on": "unsettled"}
-        kw["confidence_threshold"] = args.self_confidence
+        kw = {**sudoku.SOLVER_DEFAULTS["unsettled"], "retry_on": "unsettled"}
+        kw.update(attempts=args.self_attempts, confidence_threshold=args.self_confidence)
         runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.ar_model and (args.ar_model / "config.json").is_file():
         ar_model, ar_tok = sudoku.load_model(args.ar_model)

@@ -73,9 +73,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             "max_denoising_steps": args.steps,
             "confidence_threshold": args.stop_entropy,
         }
-        defaults = sudoku.SOLVER_DEFAULTS[retry_on]
-        policy = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
-        policy["retry_on"] = retry_on
+        policy = {**sudoku.SOLVER_DEFAULTS[retry_on], "retry_on": retry_on}
+        policy.update({k: v for k, v in given.items() if v is not None})
     sampling.update({k: v for k, v in policy.items() if v is not None})
     if sampling["attempts"] < 1:
         raise ValueError(f"--attempts must be at least 1, got {sampling['attempts']}")
@@ -163,7 +162,8 @@ def register(sub) -> None:
         type=float,
         default=None,
         help="the stop rule's mean-entropy threshold: a canvas settles when its draft is stable and its mean "
-        "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled)",
+        "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled, which also "
+        "asks the draft to stay unchanged for 2 steps rather than 1)",
     )
     s.add_argument(
         "--one-canvas",
