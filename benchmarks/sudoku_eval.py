@@ -6,9 +6,8 @@ with the default sampler (up to 48 steps, adaptive stop) and with small fixed st
 twin (greedy, one token per forward, clues forced), verified retries (an unsolved grid is denoised
 again with the next seed, up to --attempts canvases; steps count every attempt) and self-verified
 restarts (a canvas the model's own stop rule did not end before the step cap is started again; no rule
-check). Clue preservation is
-checked on every output. Writes a PNG plot (solve rate vs steps per puzzle, with the AR twin) and ends
-with one JSON line.
+check). Clue preservation is checked on every output. Writes a PNG plot (solve rate vs steps per puzzle,
+with the AR twin) and ends with one JSON line.
 
     python benchmarks/sudoku_eval.py [--model DIR] [--ar-model DIR] [--data recipes/data/sudoku/test.jsonl]
 

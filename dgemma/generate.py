@@ -145,7 +145,9 @@ class TokensEvent:
 class GenerationStats:
     canvases: int
     steps_per_canvas: list[list[int]]  # per row: denoising steps that row ran in each canvas
-    converged_per_canvas: list[list[bool]]  # per row and canvas: the stop rule (stable and confident) ended it
+    # per row and canvas: the stop rule (stable and confident) ended it, at or before the step cap (or, with
+    # early commit, every position was committed; a row that had already stopped counts as ended)
+    converged_per_canvas: list[list[bool]]
     decoder_forward_passes: list[int]
     tokens_per_forward: list[float]
     time_to_first_token: float | None  # seconds from the call to the first final token

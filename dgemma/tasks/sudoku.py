@@ -461,7 +461,7 @@ class ModelSolve:
     steps: int  # denoising steps the canvas took (summed over attempts)
     result: object  # the GenerationResult of the last attempt
     attempts: int = 1  # canvases denoised for this puzzle (see solve_batch's `attempts`)
-    settled: bool = False  # the model's stop rule ended the last canvas before the step cap
+    settled: bool = False  # the model's stop rule ended the last canvas (at or before the step cap)
 
 
 def load_model(path: str | Path | None = None, quant: str | None = None, group_size: int = 64):
@@ -503,7 +503,7 @@ def solve_batch(
     - "invalid" (verified retries): the grid passes the rule check (no repeated digit in a row, column or
       box, every clue kept). The check is not a solver, but it is knowledge from outside the model.
     - "unsettled" (self-verified restarts): the model's own stop rule ended the canvas (its draft was
-      stable and its mean entropy low before the step cap). Nothing outside the model is consulted; a
+      stable and its mean entropy low, at the latest on the last step). Nothing outside the model is consulted; a
       canvas that settles on a wrong grid is kept, and the last canvas is kept when none settles.
 
     `sampling` goes to `editing.fill` (SamplingParams fields, `seed`, `on_event` to watch the drafts).
