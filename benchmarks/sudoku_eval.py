@@ -144,7 +144,7 @@ def main() -> None:
         runs.append(evaluate(name, diffusion(attempts=args.attempts), puzzles, args.batch))
     if args.short_attempts > 1:
         name = f"retries: <= 8 steps, <= {args.short_attempts} attempts"
-        kw = {"max_denoising_steps": 8, "attempts": args.short_attempts}
+        kw = {**sudoku.SOLVER_DEFAULTS["invalid"], "attempts": args.short_attempts}
         runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.self_attempts > 1:
         name = f"restarts: <= 8 steps, <= {args.self_attempts}, self-verified"

@@ -65,17 +65,12 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     if args.one_canvas:  # the model's first answer, with its own sampler unless told otherwise
         if args.attempts not in (None, 1) or args.retry_on is not None:
             raise ValueError("--one-canvas denoises a single canvas: drop --attempts and --retry-on")
-        policy = {"attempts": 1, "max_denoising_steps": args.steps, "confidence_threshold": args.stop_entropy}
+        sampling["attempts"] = 1
     else:
         retry_on = args.retry_on or "invalid"
-        given = {
-            "attempts": args.attempts,
-            "max_denoising_steps": args.steps,
-            "confidence_threshold": args.stop_entropy,
-        }
-        policy = {**sudoku.SOLVER_DEFAULTS[retry_on], "retry_on": retry_on}
-        policy.update({k: v for k, v in given.items() if v is not None})
-    sampling.update({k: v for k, v in policy.items() if v is not None})
+        sampling.update(sudoku.SOLVER_DEFAULTS[retry_on], retry_on=retry_on)
+    given = {"attempts": args.attempts, "max_denoising_steps": args.steps, "confidence_threshold": args.stop_entropy}
+    sampling.update({k: v for k, v in given.items() if v is not None})
     if sampling["attempts"] < 1:
         raise ValueError(f"--attempts must be at least 1, got {sampling['attempts']}")
     if args.show_canvas:  # redraw the grid at every draft, across the attempts

@@ -453,9 +453,9 @@ class _Loop:
                     yield from self._early_commit(st, k)
                 if bool(st.done.all()):
                     break
-            for r in range(self.b):
-                self.steps_per_canvas[r].append(int(st.steps[r]))
-                self.converged_per_canvas[r].append(bool(st.done[r]))
+            for r, (steps, done) in enumerate(zip(st.steps.tolist(), st.done.tolist(), strict=True)):
+                self.steps_per_canvas[r].append(steps)  # one device read per canvas, not one per row
+                self.converged_per_canvas[r].append(done)
             final = st.argmax
             seq, hit_stop = _sequence_canvas(final, self.stop, self.pad_id, finished_rows)
             sequences.append(seq)

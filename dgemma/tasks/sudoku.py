@@ -503,8 +503,9 @@ def solve_batch(
     - "invalid" (verified retries): the grid passes the rule check (no repeated digit in a row, column or
       box, every clue kept). The check is not a solver, but it is knowledge from outside the model.
     - "unsettled" (self-verified restarts): the model's own stop rule ended the canvas (its draft was
-      stable and its mean entropy low, at the latest on the last step). Nothing outside the model is consulted; a
-      canvas that settles on a wrong grid is kept, and the last canvas is kept when none settles.
+      stable and its mean entropy low, at the latest on the last step). Nothing outside the model is
+      consulted; a canvas that settles on a wrong grid is kept, and the last canvas is kept when none
+      settles.
 
     `sampling` goes to `editing.fill` (SamplingParams fields, `seed`, `on_event` to watch the drafts).
     """
@@ -514,6 +515,7 @@ def solve_batch(
         raise ValueError(f"attempts must be at least 1, got {attempts}")
     if retry_on not in RETRY_ON:
         raise ValueError(f"retry_on must be one of {RETRY_ON}, got {retry_on!r}")
+    accept = (lambda s: s.solved) if retry_on == "invalid" else (lambda s: s.settled)
     seed = sampling.pop("seed", None)
     out: list[ModelSolve | None] = [None] * len(puzzles)
     spent = [0] * len(puzzles)
@@ -523,7 +525,6 @@ def solve_batch(
         templates = [template(tokenizer, p) for p in batch]
         prompts = [prompt_ids(tokenizer, p) for p in batch]
         result = fill(model, templates, prompts, seed=None if seed is None else seed + attempt, **sampling)
-        accepted = set()
         for row, i in enumerate(todo):
             p = puzzles[i]
             grid = decode_grid(tokenizer, result.tokens[row])
@@ -531,9 +532,7 @@ def solve_batch(
             spent[i] += result.stats.steps_per_canvas[row][0]
             settled = result.stats.converged_per_canvas[row][0]
             out[i] = ModelSolve(p, grid, is_solution(grid, p), kept, spent[i], result, attempt + 1, settled)
-            if out[i].solved if retry_on == "invalid" else settled:
-                accepted.add(i)
-        todo = [i for i in todo if i not in accepted]
+        todo = [i for i in todo if not accept(out[i])]
         if not todo:
             break
     return out
