@@ -10,15 +10,19 @@ from pathlib import Path
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model and serve it until interrupted."""
     try:
-        import uvicorn
-
         from .server.app import create_app
+        from .server.http import make_server
+        from .server.limits import Limits
     except ImportError as e:
-        raise ImportError("the server needs FastAPI and uvicorn: pip install 'dgemma[serve]'") from e
+        raise ImportError("the server needs FastAPI, uvicorn and prometheus-client: pip install 'dgemma[serve]'") from e
     from .cli_generate import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
+    limits = Limits(
+        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout
+    )
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
     app = create_app(
         model,
         tokenizer,
@@ -27,15 +31,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        limits=limits,
+        check_host=loopback and not args.api_key,
     )
     where = f"http://{args.host}:{args.port}"
     print(f"dgemma serve: {name} on {where} (playground: {where}/, API: {where}/v1)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if not loopback and not args.api_key:
+        print("dgemma serve: warning: serving beyond this machine without --api-key", file=sys.stderr)
+    server = make_server(
+        app, args.host, args.port, log_level=args.log_level, limits=limits, shutdown_timeout=args.shutdown_timeout
+    )
+    server.run()
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port number (1-65535)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is between 1 and 65535 (got {port})")
+    return port
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text})")
+    return value
 
 
 def register(sub) -> None:
     from .cli_generate import add_model_args, positive_int
+    from .server.limits import Limits
+
+    def non_negative_int(text: str) -> int:
+        value = int(text) if text.lstrip("-").isdigit() else -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
+        return value
 
     s = sub.add_parser(
         "serve",
@@ -48,11 +87,29 @@ def register(sub) -> None:
     )
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but / and /health (without a key on "
+        "loopback, only requests addressed to localhost are answered)",
+    )
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests denoised together (default 8)")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
-    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is dropped")
+    s.add_argument("--max-queue", type=non_negative_int, default=64, help="requests waiting before 429 (default 64)")
+    s.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds before a request is dropped")
+    s.add_argument(
+        "--max-body-bytes", type=positive_int, default=Limits.max_body_bytes, help="largest request body (413 above)"
+    )
+    s.add_argument("--body-timeout", type=_positive_float, default=Limits.body_timeout, help="seconds to send a body")
+    s.add_argument(
+        "--header-timeout", type=_positive_float, default=Limits.header_timeout, help="seconds to send the headers"
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="on SIGTERM, seconds to wait for connections after every request has been ended (default 10)",
+    )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     s.add_argument("--mode", default="fast", choices=["fast", "exact"], help="forward paths (exact: reference)")
     s.add_argument("--compile", action="store_true", help="torch.compile the denoising pass")

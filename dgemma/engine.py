@@ -6,7 +6,11 @@ current canvas of each active request goes through one `denoise` pass together (
 each at its own length), and each loop then continues on its share of the logits. New requests join at
 the next step (up to `max_batch` active); beyond that they wait in a bounded queue; a full queue is
 refused at once so the server can answer 429. A request that is cancelled (its client went away) or
-runs past its deadline is dropped at the next step.
+runs past its deadline is dropped at the next step; `drain` ends every request (a shutdown).
+
+Each request gets what it would get alone for its seed: fast mode draws from the request's own generator,
+and exact mode (which, like the reference, draws from torch's global generator) runs each of its steps
+with that request's own saved global generator state.
 
 Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
 which the web layer reads.
@@ -14,6 +18,7 @@ which the web layer reads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import DenoiseCall, DoneEvent, DraftEvent, prepare
+from .generate import DenoiseCall, DoneEvent, DraftEvent, SamplingParams, prepare
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
 
@@ -36,10 +41,14 @@ class RequestTimeout(RuntimeError):
     """The request ran past its deadline."""
 
 
+class ShuttingDown(RuntimeError):
+    """The engine is draining: no new requests, and the running ones end now."""
+
+
 @dataclass
 class EngineRequest:
     prompt: list[int]
-    params: dict  # SamplingParams fields
+    params: SamplingParams | dict  # or a dict of SamplingParams fields
     pins: torch.Tensor | None = None
     want_drafts: bool = False
     timeout: float | None = None  # seconds from submission
@@ -50,6 +59,7 @@ class EngineRequest:
     # engine side
     _loop: object = None
     _call: DenoiseCall | None = None
+    _rng_state: tuple | None = None  # exact mode: this request's own global generator state
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -83,12 +93,16 @@ class Engine:
         self._running = 0  # active requests as the submitting threads see them (updated under the lock)
         self._lock = threading.Condition()
         self._stop = False
+        self._draining = False
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
         self._thread.start()
 
     # -- the caller's side ---------------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> EngineRequest:
+        """Queue a request (QueueFull when the queue is full, ShuttingDown once draining)."""
         with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down")
             if len(self._waiting) + self._running >= self.max_batch + self.max_queue:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; try again shortly")
@@ -105,7 +119,23 @@ class Engine:
     def active(self) -> int:
         return self._running
 
+    @property
+    def capacity(self) -> int:
+        """The most requests the engine holds at once (running and waiting)."""
+        return self.max_batch + self.max_queue
+
+    def drain(self) -> None:
+        """Refuse new requests and end every waiting and running one with ShuttingDown (at its next step)."""
+        with self._lock:
+            self._draining = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._lock.notify()
+        for request in waiting:
+            request.events.put(ShuttingDown("the server is shutting down"))
+
     def close(self) -> None:
+        self.drain()
         with self._lock:
             self._stop = True
             self._lock.notify()
@@ -130,12 +160,16 @@ class Engine:
                 with self._lock:
                     self._running = len(self._active)
         for request in list(self._active) + list(self._waiting):
-            request.events.put(RuntimeError("the server is shutting down"))
+            request.events.put(ShuttingDown("the server is shutting down"))
 
     def _start(self, request: EngineRequest) -> None:
         """Encode the prompt and run the loop up to its first model call."""
+        params = request.params
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
         try:
-            request._loop = prepare(self.model, request.prompt, pins=request.pins, **request.params)
+            with self._own_rng(request, params.mode == "exact"):
+                request._loop = prepare(self.model, request.prompt, params, pins=request.pins)
         except Exception as e:  # a bad request must not stop the engine
             self.stats.requests_failed += 1
             request.events.put(e)
@@ -143,8 +177,32 @@ class Engine:
         self._active.append(request)
         self._advance(request, None)
 
+    @contextlib.contextmanager
+    def _own_rng(self, request: EngineRequest, exact: bool):
+        """Exact mode draws from the global generator: swap in this request's state for its step."""
+        if not exact and request._rng_state is None:
+            yield
+            return
+        cuda = self.model.device.type == "cuda"
+        saved = (torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None)
+        if request._rng_state is not None:
+            torch.set_rng_state(request._rng_state[0])
+            if cuda:
+                torch.cuda.set_rng_state(request._rng_state[1], self.model.device)
+        try:
+            yield
+        finally:
+            request._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None)
+            torch.set_rng_state(saved[0])
+            if cuda:
+                torch.cuda.set_rng_state(saved[1], self.model.device)
+
     def _advance(self, request: EngineRequest, reply) -> None:
         """Resume a request's loop with `reply` until its next model call (or its end)."""
+        with self._own_rng(request, False):
+            self._resume(request, reply)
+
+    def _resume(self, request: EngineRequest, reply) -> None:
         try:
             while True:
                 item = request._loop.send(reply)
@@ -170,6 +228,10 @@ class Engine:
         keep = []
         for r in self._active:
             if r._call is None:
+                continue
+            if self._draining:
+                r._loop.close()
+                r.events.put(ShuttingDown("the server is shutting down"))
                 continue
             if r.cancelled.is_set():
                 self.stats.requests_cancelled += 1

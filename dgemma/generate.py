@@ -42,6 +42,41 @@ from .sampling import (
 MODES = ("fast", "exact")
 
 
+# The finite range of every numeric setting, checked for every caller (library, CLI, server) by
+# SamplingParams.resolve: (kind, low, high, low_is_open). The bounds that size buffers are what matters
+# (stability_threshold sizes a [threshold, B, C] history; steps and lengths size loops and caches); the
+# others keep values finite and meaningful (a per-position entropy is at most log V, ~12.5 for 262k).
+SETTING_RANGES: dict[str, tuple[type, float, float, bool]] = {
+    "max_new_tokens": (int, 1, 2**20, False),
+    "max_denoising_steps": (int, 1, 1024, False),
+    "entropy_bound": (float, 0.0, 1e4, True),
+    "t_min": (float, 0.0, 10.0, True),
+    "t_max": (float, 0.0, 10.0, True),
+    "stability_threshold": (int, 0, 1024, False),
+    "confidence_threshold": (float, 0.0, 100.0, True),
+    "confidence": (float, 0.0, 1.0, True),
+    "tokens_per_step": (int, 1, 4096, False),
+    "seed": (int, 0, 2**63 - 1, False),
+    "early_commit_steps": (int, 1, 1024, False),
+    "early_commit_entropy": (float, 0.0, 100.0, True),
+}
+
+
+def _out_of_range(name: str, value) -> str | None:
+    """Why `value` is not a valid `name` (see SETTING_RANGES), or None; seed may be None."""
+    kind, low, high, open_low = SETTING_RANGES[name]
+    if value is None and name == "seed":
+        return None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int and not (number and float(value).is_integer()):
+        return f"{name} must be an integer (got {value!r})"
+    if not number or not math.isfinite(value):
+        return f"{name} must be a finite number (got {value!r})"
+    if value < low or value > high or (open_low and value == low):
+        return f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}] (got {value!r})"
+    return None
+
+
 @dataclass
 class SamplingParams:
     """How to generate. Fields left None take the checkpoint's generation_config.json (or the reference
@@ -82,20 +117,10 @@ class SamplingParams:
         if p.stop_token_ids is None:
             eos = defaults.eos_token_id
             p.stop_token_ids = eos_fallback if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        errors = []
-        for name in ("max_new_tokens", "max_denoising_steps", "tokens_per_step", "early_commit_steps"):
-            value = getattr(p, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                errors.append(f"{name} must be a positive integer (got {value!r})")
-        if not (isinstance(p.stability_threshold, int) and p.stability_threshold >= 0):
-            errors.append(f"stability_threshold must be an integer >= 0 (got {p.stability_threshold!r})")
-        for name in ("entropy_bound", "confidence_threshold", "early_commit_entropy"):
-            if not getattr(p, name) > 0:
-                errors.append(f"{name} must be > 0 (got {getattr(p, name)!r})")
-        if not 0 < p.t_min < p.t_max:
-            errors.append(f"need 0 < t_min < t_max (got t_min={p.t_min}, t_max={p.t_max})")
-        if not 0 < p.confidence <= 1:
-            errors.append(f"confidence must be in (0, 1] (got {p.confidence})")
+        errors = [_out_of_range(name, getattr(p, name)) for name in SETTING_RANGES]
+        errors = [e for e in errors if e]
+        if not errors and not p.t_min < p.t_max:
+            errors.append(f"need t_min < t_max (got t_min={p.t_min}, t_max={p.t_max})")
         if p.mode not in MODES:
             errors.append(f"mode must be one of {MODES} (got {p.mode!r})")
         if p.sampler not in SAMPLERS:

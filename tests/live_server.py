@@ -1,4 +1,5 @@
-"""A uvicorn server on a free loopback port in a background thread, for tests that need a live HTTP server."""
+"""A real `dgemma serve` HTTP server (dgemma.server.http: uvicorn with the header deadline and the draining
+shutdown) on a free loopback port in a background thread, for tests that need a live HTTP server."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import socket
 import threading
 import time
 
-import uvicorn
+from dgemma.server.http import make_server
 
 KEY = "sk-test"
 
@@ -20,9 +21,9 @@ def _free_port() -> int:
 class LiveServer:
     """`with LiveServer(app) as live:` serves `app` at `live.url` until the block ends."""
 
-    def __init__(self, app):
+    def __init__(self, app, **server_options):
         self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = make_server(app, "127.0.0.1", self.port, log_level="error", **server_options)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -35,7 +36,7 @@ class LiveServer:
 
     def __exit__(self, *exc):
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=15)
 
     @property
     def url(self) -> str:

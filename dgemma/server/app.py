@@ -5,7 +5,13 @@ GET  /health                liveness
 GET  /metrics               Prometheus text
 GET  /v1/models             the served model
 POST /v1/chat/completions   chat (messages), streaming or not; diffusion settings as extra fields
-POST /v1/completions        text completion; with `suffix`, infilling between prompt and suffix
+POST /v1/completions        text completion (one prompt or several); with `suffix`, infilling
+
+A request crosses one path: the guard (host, key, body bounds; guard.py), the request model (types and
+ranges; protocol.py), then here: the prompt is bounded in characters before it is tokenised (on a worker
+thread, not the event loop), checked against the context, its sampling settings resolved against the
+checkpoint's defaults (a 400 before anything is queued or streamed), and its choices submitted to the
+engine (choices.py), whose pieces are sent as SSE chunks or gathered into one JSON answer.
 """
 
 from __future__ import annotations
@@ -13,53 +19,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import math
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout
-from ..generate import DoneEvent, DraftEvent, TokensEvent
-from .protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    StreamText,
-    extract_tool_calls,
-    find_stop,
-    new_id,
-    split_reasoning,
-)
+from ..editing import cut_at_end, infill_template, max_middle_length
+from ..engine import Engine
+from ..generate import SamplingParams
+from . import choices as runs
+from .guard import Guard
+from .limits import Limits
+from .metrics import CONTENT_TYPE, Metrics
+from .output import extract_tool_calls, new_id
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
-log = logging.getLogger("dgemma.server")
 STATIC = Path(__file__).parent / "static"
+TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)
 
 
-class _Sink:
-    """Lets the engine thread hand events to an asyncio queue."""
+@dataclass
+class _Served:
+    """What the routes share: the model, its tokenizer and engine, and the server's settings."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+    model: object
+    tokenizer: object
+    engine: Engine
+    name: str
+    request_timeout: float
+    tokenizing: asyncio.Semaphore
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    @property
+    def context(self) -> int:
+        return self.model.text_config.max_position_embeddings
 
-    async def get(self):
-        return await self.queue.get()
+    @property
+    def canvas(self) -> int:
+        return self.model.config.canvas_length
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """The OpenAI usage block."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 def create_app(
@@ -71,9 +74,15 @@ def create_app(
     max_batch: int = 8,
     max_queue: int = 64,
     request_timeout: float = 600.0,
+    limits: Limits | None = None,
+    check_host: bool = False,
 ) -> FastAPI:
-    """A FastAPI app serving `model` (its engine thread starts now and stops with the app)."""
+    """A FastAPI app serving `model` (its engine thread starts now and stops with the app).
+
+    `check_host` answers only requests addressed to localhost (set it when serving on loopback without
+    a key); `limits` bounds the body (see guard.Limits)."""
     engine = Engine(model, max_batch=max_batch, max_queue=max_queue)
+    served = _Served(model, tokenizer, engine, model_name, request_timeout, asyncio.Semaphore(TOKENIZE_AT_ONCE))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -82,427 +91,425 @@ def create_app(
 
     app = FastAPI(title="dgemma", version="1", docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
-    http_counts: dict[tuple[str, int], int] = {}
-    context = model.text_config.max_position_embeddings
-    default_max = model.generation_config.max_new_tokens
+    metrics = Metrics(engine)
+    paths = frozenset()
 
-    # -- plumbing -------------------------------------------------------------------------------------
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if api_key and path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                err = ApiError(
-                    401,
-                    "a valid API key is required (Authorization: Bearer KEY)",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(err.body(), status_code=401)
-        try:
-            response = await call_next(request)
-        except Exception:  # never a traceback to the client
-            log.exception("unhandled error on %s", path)
-            response = JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), 500)
-        key = (
-            path if path.startswith("/v1/") or path in ("/", "/health", "/metrics") else "other",
-            response.status_code,
-        )
-        http_counts[key] = http_counts.get(key, 0) + 1
-        return response
+    def routes() -> frozenset:
+        nonlocal paths
+        if not paths:
+            paths = frozenset(getattr(r, "path", "") for r in app.routes)
+        return paths
 
+    app.add_middleware(
+        Guard, api_key=api_key, limits=limits or Limits(), check_host=check_host, routes=routes, count=metrics.count
+    )
+    _add_error_handlers(app)
+    _add_info_routes(app, served, metrics)
+    _add_generation_routes(app, served)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, param = "the request body is not valid JSON", None
-        return JSONResponse(ApiError(400, f"{param}: {message}" if param else message, param).body(), 400)
+        return _error_response(_validation_message(exc.errors()))
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist; this server has {model_name!r}",
-                "model",
-                code="model_not_found",
-            )
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        messages = {
+            404: f"there is no route {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+            400: "the request body could not be parsed: it must be a JSON object nested at most ~900 levels deep",
+        }
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind=kind))
 
-    def budget(requested: int | None, prompt_len: int, param: str) -> int:
-        max_tokens = requested or default_max
-        room = context - prompt_len
-        needed = math.ceil(max_tokens / model.config.canvas_length) * model.config.canvas_length
-        if room <= 0:
-            raise ApiError(
-                400,
-                f"the prompt has {prompt_len} tokens, more than the model's context of {context}",
-                "messages" if param == "max_tokens" else "prompt",
-                code="context_length_exceeded",
-            )
-        if needed > room:
-            raise ApiError(
-                400,
-                f"{param} is too large: the prompt ({prompt_len} tokens) leaves room for "
-                f"{room} tokens (whole canvases of {model.config.canvas_length})",
-                param,
-                code="context_length_exceeded",
-            )
-        return max_tokens
 
-    async def run_choices(http: Request, prompt: list[int], settings, sampling: dict, pins=None):
-        """Submit one engine request per choice; returns the requests and their event sinks."""
-        loop = asyncio.get_running_loop()
-        requests = []
-        for i in range(settings.n):
-            seed = None if settings.seed is None else settings.seed + i
-            req = EngineRequest(
-                prompt,
-                {**sampling, "seed": seed},
-                pins=pins,
-                want_drafts=settings.include_drafts,
-                timeout=request_timeout,
-            )
-            req.events = _Sink(loop)
-            try:
-                engine.submit(req)
-            except QueueFull as e:
-                for r in requests:
-                    r.cancel()
-                raise ApiError(
-                    429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-                ) from e
-            requests.append(req)
-        return requests
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    def check_event(ev):
-        if isinstance(ev, RequestTimeout):
-            raise ApiError(504, str(ev), kind="timeout_error")
-        if isinstance(ev, ValueError):
-            raise ApiError(400, str(ev))
-        if isinstance(ev, Exception):
-            log.error("generation failed: %r", ev)
-            raise ApiError(500, "generation failed", kind="server_error")
-        return ev
 
-    async def collect(http: Request, req: EngineRequest):
-        """Wait for a request's result, cancelling it if the client goes away."""
-        while True:
-            try:
-                ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    req.cancel()
-                    raise ApiError(499, "client closed the request") from None
-                continue
-            check_event(ev)
-            if isinstance(ev, DoneEvent):
-                return ev.result
+def _validation_message(errors: list) -> ApiError:
+    """The first validation error as a 400 naming its field."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    # field names and list indices; not "body", nor pydantic's names of union members ("function-after[...]")
+    loc = [str(x) for x in first.get("loc", []) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "this server does not know this field (see docs/server.md for the fields it takes)"
+    if first.get("type") == "model_attributes_type":
+        message = "the request body must be a JSON object"
+    if param and message.startswith(f"{param}: "):
+        return ApiError(400, message, param)
+    return ApiError(400, f"{param}: {message}" if param else message, param)
 
-    def finish(tokens: list[int], reason: str, stops, reasoning: bool, tools: bool):
-        text = tokenizer.decode(tokens)
-        cut = find_stop(text, stops)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-        thought, answer = split_reasoning(text)
-        calls, answer = extract_tool_calls(answer) if tools else ([], answer)
-        message = {"role": "assistant", "content": answer}
-        if reasoning and thought is not None:
-            message["reasoning_content"] = thought
-        if calls:
-            message["tool_calls"] = calls
-            reason = "tool_calls"
-        return message, reason
 
-    # -- routes ---------------------------------------------------------------------------------------
+def _add_info_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None:
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse((STATIC / "playground.html").read_text())
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "active": engine.active, "queued": engine.queue_depth}
+        e = served.engine
+        return {"status": "ok", "model": served.name, "active": e.active, "queued": e.queue_depth}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        s = engine.stats
-        lines = [
-            "# TYPE dgemma_requests_total counter",
-            f"dgemma_requests_total {s.requests}",
-            "# TYPE dgemma_requests_finished_total counter",
-            f"dgemma_requests_finished_total {s.requests_finished}",
-            "# TYPE dgemma_requests_rejected_total counter",
-            f"dgemma_requests_rejected_total {s.requests_rejected}",
-            "# TYPE dgemma_requests_cancelled_total counter",
-            f"dgemma_requests_cancelled_total {s.requests_cancelled}",
-            "# TYPE dgemma_requests_failed_total counter",
-            f"dgemma_requests_failed_total {s.requests_failed}",
-            "# TYPE dgemma_tokens_generated_total counter",
-            f"dgemma_tokens_generated_total {s.tokens_generated}",
-            "# TYPE dgemma_denoising_steps_total counter",
-            f"dgemma_denoising_steps_total {s.denoising_steps}",
-            "# TYPE dgemma_canvas_steps_total counter",
-            f"dgemma_canvas_steps_total {s.row_steps}",
-            "# TYPE dgemma_tokens_per_forward gauge",
-            f"dgemma_tokens_per_forward {s.tokens_generated / s.row_steps if s.row_steps else 0.0:.4f}",
-            "# TYPE dgemma_queue_depth gauge",
-            f"dgemma_queue_depth {engine.queue_depth}",
-            "# TYPE dgemma_batch_size gauge",
-            f"dgemma_batch_size {engine.active}",
-            "# TYPE dgemma_last_batch_size gauge",
-            f"dgemma_last_batch_size {s.last_batch_size}",
-            "# TYPE dgemma_http_requests_total counter",
-        ]
-        lines += [
-            f'dgemma_http_requests_total{{path="{p}",status="{c}"}} {n}' for (p, c), n in sorted(http_counts.items())
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dgemma"}]}
+        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "dgemma"}
+        return {"object": "list", "data": [card]}
 
+
+# ------------------------------------------------------------------------------------------------
+# Shared steps of the generation routes
+
+
+def _check_model(served: _Served, name: str | None) -> None:
+    if name is not None and name != served.name:
+        raise ApiError(
+            404, f"the model {name!r} does not exist; this server has {served.name!r}", "model", code="model_not_found"
+        )
+
+
+async def _tokenize(served: _Served, fn, *args, param: str, **kwargs) -> list[int]:
+    """Run a tokenizer call on a worker thread (a few at a time); its ValueErrors are 400s naming `param`."""
+    async with served.tokenizing:
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except ValueError as e:
+            raise ApiError(400, str(e), param) from e
+
+
+def _check_chars(served: _Served, chars: int, param: str) -> None:
+    """A text of more characters than the context could hold even at the longest token is refused
+    before it is tokenised."""
+    limit = served.context * _longest_token_chars(served.tokenizer)
+    if chars > limit:
+        raise ApiError(
+            400,
+            f"{param} has {chars} characters, more than the model's context of {served.context} tokens can hold",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _longest_token_chars(tokenizer) -> int:
+    cached = getattr(tokenizer, "_dgemma_longest_token", None)
+    if cached is None:
+        vocab = tokenizer._tok.get_vocab() if hasattr(tokenizer, "_tok") else {}
+        cached = max((len(t) for t in vocab), default=64) or 64
+        tokenizer._dgemma_longest_token = cached
+    return cached
+
+
+def _budget(served: _Served, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
+    """The tokens to generate: as requested (or the checkpoint's default), within the context."""
+    c = served.canvas
+    room = (served.context - prompt_len) // c * c  # the engine generates whole canvases
+    if room <= 0:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens, which leaves no room for a canvas of {c} in the model's "
+            f"context of {served.context}",
+            prompt_param,
+            code="context_length_exceeded",
+        )
+    max_tokens = requested or min(served.model.generation_config.max_new_tokens, room)
+    if max_tokens > room:
+        raise ApiError(
+            400,
+            f"{param} is too large: with a prompt of {prompt_len} tokens, at most {room} tokens fit in the "
+            f"model's context of {served.context} (whole canvases of {c})",
+            param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _resolve(served: _Served, params: SamplingParams) -> SamplingParams:
+    """The settings with the checkpoint's defaults filled in; a 400 naming the field if they are invalid."""
+    try:
+        return params.resolve(served.model.generation_config, served.model.text_config.eos_token_ids)
+    except ValueError as e:
+        message = str(e)
+        named = [f for f in ("t_min", "t_max", "stability_threshold", "max_denoising_steps") if f in message]
+        raise ApiError(400, message, named[0] if named else None) from e
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Routes
+
+
+def _add_generation_routes(app: FastAPI, served: _Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
-        check_model(body.model)
-        messages = []
-        for i, m in enumerate(body.messages):
-            if isinstance(m.content, list):
-                for part in m.content:
-                    if part.type != "text":
-                        raise ApiError(
-                            400,
-                            f"messages[{i}] has {part.type} content; this model takes text only",
-                            f"messages.{i}.content",
-                        )
-            messages.append(m.model_dump(exclude_none=True))
-        if not tokenizer.chat_template:
-            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        try:
-            prompt = tokenizer.apply_chat_template(
-                messages, enable_thinking=True if body.reasoning else None, tools=body.tools
-            )
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
-        requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = budget(
-            requested, len(prompt), "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        )
-        requests = await run_choices(http, prompt, body, body.sampling(max_tokens))
-        if body.stream:
-            return StreamingResponse(stream_chat(http, requests, body, len(prompt)), media_type="text/event-stream")
-        try:
-            results = [await collect(http, r) for r in requests]
-        finally:
-            for r in requests:
-                r.cancel()
-        choices, completion_tokens = [], 0
-        for i, result in enumerate(results):
-            message, reason = finish(
-                result.tokens[0], result.finish_reasons[0], body.stop, body.reasoning, bool(body.tools)
-            )
-            choices.append({"index": i, "message": message, "finish_reason": reason})
-            completion_tokens += len(result.tokens[0])
-        return {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": _usage(len(prompt), completion_tokens),
-            "dgemma": {
-                "steps_per_canvas": [r.stats.steps_per_canvas[0] for r in results],
-                "tokens_per_forward": [round(r.stats.tokens_per_forward[0], 3) for r in results],
-            },
-        }
-
-    async def stream_chat(http: Request, requests: list[EngineRequest], body: ChatCompletionRequest, prompt_len: int):
-        cid, created = new_id("chatcmpl"), int(time.time())
-
-        def chunk(index: int, delta: dict, reason=None, extra=None) -> str:
-            payload = {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-                "choices": [{"index": index, "delta": delta, "finish_reason": reason}],
-            }
-            if extra:
-                payload.update(extra)
-            return f"data: {json.dumps(payload)}\n\n"
-
-        texts = [StreamText(body.stop, body.reasoning) for _ in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        completion = 0
-        try:
-            for i in range(len(requests)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            pending = {i: asyncio.ensure_future(r.events.get()) for i, r in enumerate(requests)}
-            while pending:
-                done, _ = await asyncio.wait(pending.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    if await http.is_disconnected():
-                        return
-                    continue
-                for i, fut in list(pending.items()):
-                    if fut not in done:
-                        continue
-                    ev = fut.result()
-                    if isinstance(ev, Exception):
-                        try:
-                            check_event(ev)
-                        except ApiError as err:
-                            yield f"data: {json.dumps(err.body())}\n\n"
-                        del pending[i]
-                        continue
-                    if isinstance(ev, DraftEvent):
-                        draft = tokenizer.decode(ev.drafts[0].tolist())
-                        yield chunk(
-                            i, {}, extra={"dgemma_draft": {"canvas": ev.canvas_index, "step": ev.step, "text": draft}}
-                        )
-                    elif isinstance(ev, TokensEvent):
-                        tokens[i].extend(ev.tokens)
-                        for kind, piece in texts[i].feed(tokenizer.decode(tokens[i])):
-                            yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": piece})
-                        if texts[i].stopped:
-                            requests[i].cancel()
-                            completion += len(tokens[i])
-                            yield chunk(i, {}, "stop")
-                            del pending[i]
-                            continue
-                    elif isinstance(ev, DoneEvent):
-                        for kind, piece in texts[i].feed(tokenizer.decode(tokens[i]), final=True):
-                            yield chunk(i, {"reasoning_content" if kind == "reasoning" else "content": piece})
-                        completion += len(tokens[i])
-                        reason = "stop" if texts[i].stopped else ev.result.finish_reasons[0]
-                        yield chunk(i, {}, reason)
-                        del pending[i]
-                        continue
-                    pending[i] = asyncio.ensure_future(requests[i].events.get())
-            if body.stream_options and body.stream_options.include_usage:
-                last = {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model_name,
-                    "choices": [],
-                    "usage": _usage(prompt_len, completion),
-                }
-                yield f"data: {json.dumps(last)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away, or we are done: stop any work still running
-            for r in requests:
-                r.cancel()
+        return await _chat(served, body, http)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        check_model(body.model)
-        if isinstance(body.prompt, list):
-            bad = [t for t in body.prompt if not 0 <= t < model.text_config.vocab_size]
+        return await _completions(served, body, http)
+
+
+async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
+    _check_model(served, body.model)
+    tok = served.tokenizer
+    if not tok.chat_template:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    use_tools = bool(body.tools) and body.tool_choice != "none"
+    takes_tools = "tools" in tok.chat_template
+    if use_tools and not takes_tools:
+        raise ApiError(400, "this model's chat template has no tool support", "tools")
+    for i, m in enumerate(body.messages):
+        if (m.role == "tool" or m.tool_calls) and not takes_tools:
+            raise ApiError(400, "this model's chat template has no tool support", f"messages.{i}")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    chars = sum(len(m.text()) + len(json.dumps(m.tool_calls or [])) for m in body.messages)
+    _check_chars(served, chars + len(json.dumps(body.tools or [])), "messages")
+    thinking = True if body.reasoning else None
+    tools = body.tools if use_tools else None
+    prompt = await _tokenize(
+        served, tok.apply_chat_template, messages, param="messages", enable_thinking=thinking, tools=tools
+    )
+    requested, param = body.requested_tokens
+    max_tokens = _budget(served, requested, len(prompt), param, "messages")
+    params = _resolve(served, body.sampling(max_tokens))
+    choices = runs.submit(
+        served.engine,
+        [prompt],
+        params,
+        body.n,
+        stops=body.stop,
+        reasoning=body.reasoning,
+        want_drafts=body.include_drafts and body.stream,
+        timeout=served.request_timeout,
+    )
+    pieces = runs.run(choices, served.decode, http.is_disconnected)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(
+            _chat_stream(served, pieces, choices, len(prompt), usage), media_type="text/event-stream"
+        )
+    return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
+
+
+async def _gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str]]:
+    """Non-streaming: the text of every choice by kind, and each one's finish reason (errors raise)."""
+    texts: dict[int, dict[str, str]] = {}
+    reasons: dict[int, str] = {}
+    async for piece in pieces:
+        if piece.kind == "end":
+            if piece.error is not None:
+                raise piece.error
+            reasons[piece.index] = piece.finish_reason
+        elif piece.kind in ("content", "reasoning"):
+            parts = texts.setdefault(piece.index, {})
+            parts[piece.kind] = parts.get(piece.kind, "") + piece.text
+    return texts, reasons
+
+
+async def _chat_answer(served, body: ChatCompletionRequest, pieces, choices, prompt_len: int, use_tools: bool):
+    texts, reasons = await _gather(pieces)
+    if len(reasons) < len(choices):
+        raise ApiError(499, "the client closed the request")
+    out = []
+    for c in choices:
+        parts = texts.get(c.index, {})
+        message = {"role": "assistant", "content": parts.get("content", "")}
+        reason = reasons[c.index]
+        if body.reasoning and "reasoning" in parts:
+            message["reasoning_content"] = parts["reasoning"]
+        if use_tools:
+            calls, message["content"] = extract_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls if body.parallel_tool_calls is not False else calls[:1]
+                reason = "tool_calls"
+        out.append({"index": c.index, "message": message, "finish_reason": reason})
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": out,
+        "usage": _usage(prompt_len, sum(c.returned_tokens for c in choices)),
+        "dgemma": {
+            "steps_per_canvas": [c.steps_per_canvas for c in choices],
+            "tokens_per_forward": [c.tokens_per_forward for c in choices],
+        },
+    }
+
+
+async def _chat_stream(served: _Served, pieces, choices, prompt_len: int, usage: bool):
+    cid, created = new_id("chatcmpl"), int(time.time())
+
+    def chunk(index: int, delta: dict, reason=None, **extra) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": reason}
+        payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served.name}
+        return _sse({**payload, "choices": [choice], **extra})
+
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+    async for piece in pieces:
+        if piece.kind == "draft":
+            yield chunk(piece.index, {}, dgemma_draft=piece.draft)
+        elif piece.kind == "end" and piece.error is not None:
+            yield _sse(piece.error.body())
+            yield chunk(piece.index, {}, "error")
+        elif piece.kind == "end":
+            yield chunk(piece.index, {}, piece.finish_reason)
+        else:
+            yield chunk(piece.index, {"reasoning_content" if piece.kind == "reasoning" else "content": piece.text})
+    if usage:
+        payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served.name}
+        yield _sse({**payload, "choices": [], "usage": _usage(prompt_len, sum(c.returned_tokens for c in choices))})
+    yield _sse("[DONE]")
+
+
+# ------------------------------------------------------------------------------------------------
+# /v1/completions
+
+
+async def _completion_prompts(served: _Served, body: CompletionRequest) -> list[list[int]]:
+    """Token ids of every prompt (an empty text becomes the BOS token)."""
+    vocab = served.model.text_config.vocab_size
+    _check_chars(served, sum(len(p) for p in body.prompt if isinstance(p, str)), "prompt")
+    out = []
+    for i, p in enumerate(body.prompt):
+        if isinstance(p, list):
+            bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}", "prompt")
-            prompt = list(body.prompt)
-        else:
-            prompt = tokenizer.encode(body.prompt) if body.prompt else [model.text_config.bos_token_id or 2]
-        pins = None
-        if body.suffix is not None:
-            if body.stream:
-                raise ApiError(400, "infilling (suffix) is not streamed; set stream to false", "stream")
-            from ..editing import _end_token, _infill_template
-
-            middle = body.max_tokens or 16
-            if middle > model.config.canvas_length:
                 raise ApiError(
-                    400,
-                    f"with a suffix, max_tokens is the middle's length and may not exceed the canvas "
-                    f"({model.config.canvas_length})",
-                    "max_tokens",
+                    400, f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
                 )
-            suffix = tokenizer.encode(body.suffix, add_special_tokens=False)
-            tpl, _ = _infill_template(middle, suffix, model.config.canvas_length, _end_token(model))
-            pins = torch.tensor([[-1 if t is None else t for t in tpl]])
-            max_tokens = len(tpl)
-            budget(max_tokens, len(prompt), "max_tokens")
-            sampling = {**body.sampling(max_tokens), "stop_token_ids": [], "early_commit": False}
+            out.append(list(p))
+        elif p:
+            out.append(await _tokenize(served, served.tokenizer.encode, p, param="prompt"))
         else:
-            max_tokens = budget(body.max_tokens, len(prompt), "max_tokens")
-            sampling = body.sampling(max_tokens)
-        requests = await run_choices(http, prompt, body, sampling, pins=pins)
-        if body.stream:
-            return StreamingResponse(
-                stream_completion(http, requests, body, len(prompt)), media_type="text/event-stream"
-            )
-        try:
-            results = [await collect(http, r) for r in requests]
-        finally:
-            for r in requests:
-                r.cancel()
-        choices, completion_tokens = [], 0
-        for i, result in enumerate(results):
-            toks = result.tokens[0][: (body.max_tokens or 16)] if pins is not None else result.tokens[0]
-            reason = "length" if pins is not None else result.finish_reasons[0]
-            text = tokenizer.decode(toks)
-            cut = find_stop(text, body.stop)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
-            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
-            completion_tokens += len(toks)
-        return {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": _usage(len(prompt), completion_tokens),
+            out.append([served.model.text_config.bos_token_id or 2])
+    return out
+
+
+async def _infill_pins(served: _Served, body: CompletionRequest, prompt_len: int):
+    """For `suffix`: the pinned canvas [middle | suffix | end-of-text], and the middle's length. The
+    middle is max_tokens long, at most what one canvas holds beside some of the suffix (said in the
+    answer's `dgemma.middle_length` when it is shorter than asked)."""
+    import torch
+
+    _check_chars(served, len(body.suffix), "suffix")
+    suffix = await _tokenize(served, served.tokenizer.encode, body.suffix, param="suffix", add_special_tokens=False)
+    middle = min(body.max_tokens or 16, max_middle_length(served.model))
+    template = infill_template(served.model, suffix, middle)
+    _budget(served, len(template), prompt_len, "max_tokens", "prompt")
+    return torch.tensor([[-1 if t is None else t for t in template]]), middle
+
+
+async def _completions(served: _Served, body: CompletionRequest, http: Request):
+    _check_model(served, body.model)
+    prompts = await _completion_prompts(served, body)
+    longest = max(len(p) for p in prompts)
+    pins, middle = None, None
+    if body.suffix is not None:
+        pins, middle = await _infill_pins(served, body, longest)
+        params = replace(body.sampling(pins.shape[1]), stop_token_ids=[], early_commit=False)
+    else:
+        params = body.sampling(_budget(served, body.max_tokens, longest, "max_tokens", "prompt"))
+    params = _resolve(served, params)
+    choices = runs.submit(
+        served.engine,
+        prompts,
+        params,
+        body.n,
+        stops=body.stop,
+        reasoning=False,
+        pins=pins,
+        want_drafts=body.include_drafts and body.stream,
+        timeout=served.request_timeout,
+    )
+    pieces = runs.run(choices, served.decode, http.is_disconnected, trim=_middle_of(served, middle))
+    echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        gen = _completion_stream(served, pieces, choices, echoes, [len(p) for p in prompts], body.n, usage, middle)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    texts, reasons = await _gather(pieces)
+    if len(reasons) < len(choices):
+        raise ApiError(499, "the client closed the request")
+    out = [
+        {
+            "index": c.index,
+            "text": echoes[k] + texts.get(c.index, {}).get("content", ""),
+            "finish_reason": reasons[c.index],
+            "logprobs": None,
         }
+        for k, c in enumerate(choices)
+    ]
+    answer = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": out,
+        "usage": _usage(sum(len(p) for p in prompts) * body.n, sum(c.returned_tokens for c in choices)),
+    }
+    if middle is not None:
+        answer["dgemma"] = {"middle_length": middle}
+    return answer
 
-    async def stream_completion(http: Request, requests: list[EngineRequest], body: CompletionRequest, prompt_len: int):
-        cid, created = new_id("cmpl"), int(time.time())
-        try:
-            for i, req in enumerate(requests):
-                text = StreamText(body.stop, reasoning=False)
-                tokens: list[int] = []
-                while True:
-                    ev = await req.events.get()
-                    if isinstance(ev, Exception):
-                        try:
-                            check_event(ev)
-                        except ApiError as err:
-                            yield f"data: {json.dumps(err.body())}\n\n"
-                        break
-                    if isinstance(ev, TokensEvent):
-                        tokens.extend(ev.tokens)
-                    final = isinstance(ev, DoneEvent)
-                    for _, piece in text.feed(tokenizer.decode(tokens), final=final):
-                        payload = {
-                            "id": cid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": model_name,
-                            "choices": [{"index": i, "text": piece, "finish_reason": None}],
-                        }
-                        yield f"data: {json.dumps(payload)}\n\n"
-                    if final or text.stopped:
-                        reason = "stop" if text.stopped else ev.result.finish_reasons[0]
-                        req.cancel()
-                        payload = {
-                            "id": cid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": model_name,
-                            "choices": [{"index": i, "text": "", "finish_reason": reason}],
-                        }
-                        yield f"data: {json.dumps(payload)}\n\n"
-                        break
-            yield "data: [DONE]\n\n"
-        finally:
-            for r in requests:
-                r.cancel()
 
-    return app
+def _middle_of(served: _Served, middle: int | None):
+    """Infilling returns the middle only (the canvas also holds the suffix), cut at its first end-of-text."""
+    if middle is None:
+        return None
+    return lambda ids: cut_at_end(served.model, ids[:middle])
+
+
+async def _completion_stream(served, pieces, choices, echoes, prompt_lens, n, usage: bool, middle):
+    cid, created = new_id("cmpl"), int(time.time())
+
+    def chunk(index: int, text: str, reason=None, **extra) -> str:
+        choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+        payload = {"id": cid, "object": "text_completion", "created": created, "model": served.name}
+        return _sse({**payload, "choices": [choice], **extra})
+
+    for k, c in enumerate(choices):
+        if echoes[k]:
+            yield chunk(c.index, echoes[k])
+    async for piece in pieces:
+        if piece.kind == "draft":
+            yield chunk(piece.index, "", dgemma_draft=piece.draft)
+        elif piece.kind == "end" and piece.error is not None:
+            yield _sse(piece.error.body())
+            yield chunk(piece.index, "", "error")
+        elif piece.kind == "end":
+            yield chunk(
+                piece.index, "", piece.finish_reason, **({"dgemma": {"middle_length": middle}} if middle else {})
+            )
+        else:
+            yield chunk(piece.index, piece.text)
+    if usage:
+        payload = {"id": cid, "object": "text_completion", "created": created, "model": served.name}
+        prompt_tokens = sum(prompt_lens) * n
+        yield _sse({**payload, "choices": [], "usage": _usage(prompt_tokens, sum(c.returned_tokens for c in choices))})
+    yield _sse("[DONE]")

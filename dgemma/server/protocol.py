@@ -1,16 +1,28 @@
-"""The HTTP API's request bodies (OpenAI-compatible, plus diffusion settings), error bodies, and the parsing
-of model output into what clients expect: thoughts apart from the answer, tool calls, stop strings."""
+"""The HTTP API's request bodies (OpenAI-compatible, plus diffusion settings) and its error bodies.
+
+Every field has a type and a finite range; anything that sizes work (messages, prompts, stop strings,
+tools, `n`, every diffusion setting) is bounded here, before a request reaches the tokenizer or the
+engine. Strings must be valid Unicode (a JSON `"\\ud800"` is a lone surrogate that no tokenizer can
+encode). OpenAI fields that this model has no counterpart for are accepted only at their no-op value
+(`top_p: 1`, `logprobs: false`, ...) and are a 400 naming the field otherwise; unknown fields are a 400
+too, so that no parameter is ever silently ignored.
+"""
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_N = 8
+from ..generate import SETTING_RANGES, SamplingParams
+
+MAX_N = 8  # choices per request (each one is a row of the engine's batch)
+MAX_MESSAGES = 2048
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_TOOLS = 128
+MAX_MAX_TOKENS = SETTING_RANGES["max_new_tokens"][2]
 
 
 class ApiError(Exception):
@@ -33,204 +45,244 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class TextPart(BaseModel):
-    type: str
-    text: str | None = None
-    model_config = ConfigDict(extra="allow")
+# ------------------------------------------------------------------------------------------------
+# Field types
+
+
+def first_bad_unicode(value: Any, path: str = "") -> str | None:
+    """Where the first string in `value` (nested lists and dicts too) holds a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{path} (character {e.start})" if path else f"character {e.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and first_bad_unicode(key) is not None:
+            return f"{path}.{key}" if path else "a key"
+        where = first_bad_unicode(item, f"{path}.{key}" if path else str(key))
+        if where is not None:
+            return where
+    return None
+
+
+def _valid_unicode(value: Any) -> Any:
+    where = first_bad_unicode(value)
+    if where is not None:
+        raise ValueError(f"holds a lone surrogate at {where}; text must be valid Unicode")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
+
+
+def _setting(name: str, **extra: Any) -> Any:
+    """A request field for a SamplingParams setting, with the range the library itself enforces."""
+    _, low, high, open_low = SETTING_RANGES[name]
+    bounds = {"gt": low} if open_low else {"ge": low}
+    return Field(default=None, le=high, **bounds, **extra)
+
+
+# OpenAI fields with no counterpart in a diffusion model: the values that mean "off" are accepted
+_NO_OP_VALUES: dict[str, tuple] = {
+    "top_p": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "reasoning_effort": (),
+    "functions": ([],),
+    "function_call": ("none",),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
 
 
 class Message(BaseModel):
+    """One chat message; `content` is a string or a list of text parts (this model reads text only)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    model_config = ConfigDict(extra="ignore")
+    content: Any = None
+    name: Text | None = Field(default=None, max_length=256)
+    tool_calls: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: Text | None = Field(default=None, max_length=256)
+    reasoning_content: Text | None = None
+    # what an OpenAI response message carries back when a client replays it; only their empty values
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[None] | None = Field(default=None, max_length=0)
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return _valid_unicode(value)
+        if not isinstance(value, list):
+            raise ValueError("must be a string, a list of content parts, or null")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"{kind} content" if isinstance(kind, str) else "a part that is not {'type': 'text', ...}"
+                raise ValueError(f"part {i} is {what}; this model takes text only")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError(f"part {i} must be {{'type': 'text', 'text': '...'}} and nothing else")
+        return _valid_unicode(value)
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part["text"] for part in self.content)
+        return self.content or ""
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
 
 
 class DiffusionSettings(BaseModel):
-    """Sampling fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
+    """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: Text | None = Field(default=None, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_MAX_TOKENS)
+    stop: Any = None  # a string or a list of them
+    seed: int | None = _setting("seed")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=4)
-    max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
-    entropy_bound: float | None = Field(default=None, gt=0)
-    t_min: float | None = Field(default=None, gt=0)
-    t_max: float | None = Field(default=None, gt=0)
-    stability_threshold: int | None = Field(default=None, ge=0)
-    confidence_threshold: float | None = Field(default=None, gt=0)
+    user: Text | None = Field(default=None, max_length=256)  # an end-user id for the operator's logs
+    max_denoising_steps: int | None = _setting("max_denoising_steps")
+    entropy_bound: float | None = _setting("entropy_bound")
+    t_min: float | None = _setting("t_min")
+    t_max: float | None = _setting("t_max")
+    stability_threshold: int | None = _setting("stability_threshold")
+    confidence_threshold: float | None = _setting("confidence_threshold")
     sampler: Literal["entropy-bound", "confidence", "fixed"] | None = None
+    confidence: float | None = _setting("confidence")  # the "confidence" sampler's threshold
+    tokens_per_step: int | None = _setting("tokens_per_step")  # the "fixed" sampler's count
     mode: Literal["fast", "exact"] | None = None
     early_commit: bool | None = None  # default: on when streaming
+    early_commit_steps: int | None = _setting("early_commit_steps")
+    early_commit_entropy: float | None = _setting("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-text tokens
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
+    top_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value):
         stops = [value] if isinstance(value, str) else value
-        if stops is not None and (len(stops) > 4 or any(not s for s in stops)):
-            raise ValueError("stop takes at most 4 non-empty strings")
-        return stops
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+            raise ValueError("must be a string or a list of strings")
+        if stops is not None and (len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        return _valid_unicode(stops) or None
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """SamplingParams fields for the engine."""
-        out: dict[str, Any] = {"max_new_tokens": max_tokens}
-        for name in (
-            "max_denoising_steps",
-            "entropy_bound",
-            "t_min",
-            "t_max",
-            "stability_threshold",
-            "confidence_threshold",
-            "sampler",
-            "mode",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
+    @field_validator(*_NO_OP_VALUES, check_fields=False)
+    @classmethod
+    def _no_op_only(cls, value, info):
+        allowed = _NO_OP_VALUES[info.field_name]
+        if value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+            return value
+        shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
+        raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The SamplingParams this request asks for (validated later, with the model's defaults)."""
+        fields = {
+            name: getattr(self, name)
+            for name in (
+                "max_denoising_steps",
+                "entropy_bound",
+                "t_min",
+                "t_max",
+                "stability_threshold",
+                "confidence_threshold",
+                "sampler",
+                "confidence",
+                "tokens_per_step",
+                "mode",
+                "early_commit_steps",
+                "early_commit_entropy",
+            )
+            if getattr(self, name) is not None
+        }
         if self.temperature is not None and self.t_min is None and self.t_max is None:
             # One OpenAI temperature becomes the schedule's start, ending at half of it (the defaults' ratio).
             top = max(self.temperature, 0.02)
-            out["t_max"], out["t_min"] = top, top / 2
-        out["early_commit"] = self.stream if self.early_commit is None else self.early_commit
+            fields["t_max"], fields["t_min"] = top, top / 2
+        early = self.stream if self.early_commit is None else self.early_commit
+        fields["early_commit"] = early and fields.get("mode") != "exact"
         if self.ignore_eos:
-            out["stop_token_ids"] = []
-        if out.get("mode") == "exact":
-            out["early_commit"] = False
-        return out
+            fields["stop_token_ids"] = []
+        return SamplingParams(max_new_tokens=max_tokens, seed=self.seed, **fields)
 
 
 class ChatCompletionRequest(DiffusionSettings):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_MAX_TOKENS)
     reasoning: bool = False  # turn on thinking (the chat template's enable_thinking)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    reasoning_effort: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @property
+    def requested_tokens(self) -> tuple[int | None, str]:
+        """The length asked for and the field that asked for it."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class CompletionRequest(DiffusionSettings):
-    prompt: str | list[int]
-    suffix: str | None = None  # infilling: generate between prompt and suffix
+    prompt: Any  # a string, a list of token ids, or a list of either (one choice set per prompt)
+    suffix: Text | None = None  # infilling: generate between prompt and suffix
+    echo: bool = False  # return the prompt before the completion
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value):
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        return value
+    def _prompt(cls, value: Any) -> list[str | list[int]]:
+        """Always a list of prompts, each a string or a non-empty list of token ids."""
+        if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of those")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"takes at most {MAX_PROMPTS} prompts (got {len(value)})")
+        for i, p in enumerate(value):
+            if not (isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p))):
+                raise ValueError(f"prompt {i} must be a string or a non-empty list of token ids")
+        return _valid_unicode(value)
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n (or leaving it out) is supported")
+        if self.suffix is not None and len(self.prompt) > 1:
+            raise ValueError("suffix: infilling takes one prompt")
+        return self
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Output parsing
-
-THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought\n", "<channel|>"
-_TOOL_CALL = re.compile(r"<\|tool_call>\s*call:([A-Za-z0-9_.\-]+)\s*(\{.*?\})\s*<tool_call\|>", re.S)
-
-
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Gemma 4 thinking output `<|channel>thought\\n...<channel|>answer` -> (thought, answer)."""
-    start = text.find(THOUGHT_OPEN)
-    if start < 0:
-        return None, text
-    end = text.find(THOUGHT_CLOSE, start + len(THOUGHT_OPEN))
-    if end < 0:  # the thought never closed: all of it is thought
-        return text[start + len(THOUGHT_OPEN) :], text[:start]
-    thought = text[start + len(THOUGHT_OPEN) : end]
-    return thought, text[:start] + text[end + len(THOUGHT_CLOSE) :]
-
-
-def _tool_arguments(raw: str) -> str:
-    """Gemma 4 writes call arguments as JSON or as {key:value,...} with <|"|> quotes; return JSON text."""
-    cleaned = raw.replace('<|"|>', '"')
-    try:
-        return json.dumps(json.loads(cleaned))
-    except json.JSONDecodeError:
-        pass
-    quoted = re.sub(r"([{,]\s*)([A-Za-z_][A-Za-z0-9_]*)\s*:", r'\1"\2":', cleaned)
-    try:
-        return json.dumps(json.loads(quoted))
-    except json.JSONDecodeError:
-        return json.dumps({"raw": raw})
-
-
-def extract_tool_calls(text: str) -> tuple[list[dict], str]:
-    """Gemma 4 tool calls `<|tool_call>call:NAME{ARGS}<tool_call|>` -> OpenAI tool_calls, and the rest."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        calls.append(
-            {
-                "id": new_id("call"),
-                "type": "function",
-                "function": {"name": m.group(1), "arguments": _tool_arguments(m.group(2))},
-            }
-        )
-    return calls, _TOOL_CALL.sub("", text).strip() if calls else text
-
-
-def find_stop(text: str, stops: list[str] | None) -> int:
-    """Index where the first stop string starts, or -1."""
-    hits = [i for i in (text.find(s) for s in stops or []) if i >= 0]
-    return min(hits) if hits else -1
-
-
-class StreamText:
-    """Turns the growing decoded text of one choice into deltas: held back while it could still become a
-    stop string or a thought marker, split into reasoning and content."""
-
-    def __init__(self, stops: list[str] | None, reasoning: bool):
-        self.stops = stops or []
-        self.reasoning = reasoning
-        self.sent = 0  # characters of the decoded text already emitted
-        self.in_thought = False
-        self.stopped = False
-
-    def _holdback(self, text: str) -> int:
-        """How many trailing characters might begin a stop string or a marker."""
-        keep = 0
-        for s in [*self.stops, THOUGHT_OPEN, THOUGHT_CLOSE]:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        return keep
-
-    def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
-        """New (kind, text) pieces, kind 'content' or 'reasoning', from the full decoded text so far."""
-        if self.stopped:
-            return []
-        cut = find_stop(text[self.sent :], self.stops)
-        if cut >= 0:
-            text, final, self.stopped = text[: self.sent + cut], True, True
-        end = len(text) if final else len(text) - self._holdback(text[self.sent :])
-        pieces: list[tuple[str, str]] = []
-        while self.sent < end:
-            chunk = text[self.sent : end]
-            marker = THOUGHT_CLOSE if self.in_thought else THOUGHT_OPEN
-            i = chunk.find(marker)
-            if i < 0:
-                pieces.append(("reasoning" if self.in_thought else "content", chunk))
-                self.sent = end
-                break
-            if i:
-                pieces.append(("reasoning" if self.in_thought else "content", chunk[:i]))
-            self.sent += i + len(marker)
-            self.in_thought = not self.in_thought
-        # Thoughts go out apart from the answer when asked for, and are dropped otherwise (a model may
-        # write an empty thought block even with thinking off).
-        return [(k, t) for k, t in pieces if t and (k == "content" or self.reasoning)]
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

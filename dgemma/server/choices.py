@@ -1,0 +1,182 @@
+"""The choices of one HTTP request, run on the engine: submission, the events of every choice merged into
+one stream of pieces (text, drafts, ends), stop strings applied as soon as they are final, cancellation
+when the client goes away. Both endpoints, streaming or not, read the same pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout, ShuttingDown
+from ..generate import DoneEvent, DraftEvent, SamplingParams, TokensEvent
+from .output import StreamText
+from .protocol import ApiError
+
+log = logging.getLogger("dgemma.server")
+POLL_SECONDS = 1.0  # how often an idle wait checks whether the client is still there
+
+
+class _Sink:
+    """Lets the engine thread hand events to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class Piece:
+    """Something to send for one choice: text ("content" / "reasoning"), a "draft", or its "end"."""
+
+    index: int
+    kind: str
+    text: str = ""
+    draft: dict | None = None
+    finish_reason: str | None = None
+    error: ApiError | None = None  # an end that is an error (a timeout, a shutdown)
+
+
+@dataclass
+class Choice:
+    """One choice: its engine request and what it has produced so far."""
+
+    index: int
+    request: EngineRequest
+    text: StreamText
+    tokens: list[int] = field(default_factory=list)
+    returned_tokens: int = 0  # tokens behind the text sent (what usage counts)
+    steps_per_canvas: list[int] = field(default_factory=list)
+    tokens_per_forward: float = 0.0
+    ended: bool = False
+
+
+def as_api_error(event: Exception) -> ApiError:
+    """The HTTP answer to an exception the engine reported for a request."""
+    if isinstance(event, RequestTimeout):
+        return ApiError(504, str(event), kind="timeout_error", code="timeout")
+    if isinstance(event, ShuttingDown):
+        return ApiError(503, str(event), kind="server_error", code="shutting_down")
+    if isinstance(event, ValueError):
+        return ApiError(400, str(event))
+    log.error("generation failed: %r", event)
+    return ApiError(500, "generation failed", kind="server_error")
+
+
+def submit(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    *,
+    stops: list[str] | None,
+    reasoning: bool,
+    pins: torch.Tensor | None = None,
+    want_drafts: bool = False,
+    timeout: float | None = None,
+) -> list[Choice]:
+    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i)."""
+    if len(prompts) * n > engine.capacity:
+        raise ApiError(
+            400, f"{len(prompts) * n} choices exceed what this server holds at once ({engine.capacity})", "n"
+        )
+    loop = asyncio.get_running_loop()
+    choices: list[Choice] = []
+    for j, prompt in enumerate(prompts):
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            req = EngineRequest(prompt, replace(params, seed=seed), pins=pins, want_drafts=want_drafts, timeout=timeout)
+            req.events = _Sink(loop)
+            try:
+                engine.submit(req)
+            except (QueueFull, ShuttingDown) as e:
+                for c in choices:
+                    c.request.cancel()
+                if isinstance(e, ShuttingDown):
+                    raise as_api_error(e) from e
+                raise ApiError(
+                    429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+                ) from e
+            choices.append(Choice(j * n + i, req, StreamText(stops, reasoning)))
+    return choices
+
+
+def _tokens_covering(tokens: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:
+    """The fewest leading tokens whose text reaches `chars` characters (what a cut text was made of)."""
+    lo, hi = 0, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(tokens[:mid])) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _on_tokens(choice: Choice, event, decode, trim, final: bool) -> list[Piece]:
+    """Text pieces from a choice's new final tokens; a stop string ends the choice here."""
+    if isinstance(event, TokensEvent):
+        choice.tokens.extend(event.tokens)
+    visible = choice.tokens if trim is None else trim(choice.tokens)
+    pieces = [Piece(choice.index, kind, piece) for kind, piece in choice.text.feed(decode(visible), final=final)]
+    if choice.text.stopped:
+        choice.returned_tokens = _tokens_covering(visible, choice.text.cut, decode)
+    else:
+        choice.returned_tokens = len(visible)
+    return pieces
+
+
+def _on_event(choice: Choice, event, decode, trim) -> list[Piece]:
+    """What one engine event of a choice gives to send."""
+    if isinstance(event, Exception):
+        choice.ended = True
+        return [Piece(choice.index, "end", error=as_api_error(event))]
+    if isinstance(event, DraftEvent):
+        text = decode(event.drafts[0].tolist())
+        return [Piece(choice.index, "draft", draft={"canvas": event.canvas_index, "step": event.step, "text": text})]
+    if not isinstance(event, TokensEvent | DoneEvent):
+        return []
+    done = isinstance(event, DoneEvent)
+    pieces = _on_tokens(choice, event, decode, trim, final=done)
+    if done:
+        choice.steps_per_canvas = event.result.stats.steps_per_canvas[0]
+        choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[0], 3)
+    if done or choice.text.stopped:
+        choice.ended = True
+        reason = "stop" if choice.text.stopped else event.result.finish_reasons[0]
+        pieces.append(Piece(choice.index, "end", finish_reason=reason))
+    return pieces
+
+
+async def run(choices: list[Choice], decode, is_disconnected, trim=None) -> AsyncIterator[Piece]:
+    """The pieces of all choices as they come; the engine work stops when this ends, however it ends
+    (every choice finished, the client went away, or the consumer stopped reading). `trim(tokens)`, if
+    given, says which of a choice's tokens are its output (infilling: the middle of the canvas)."""
+    pending: dict[int, asyncio.Future] = {}
+    try:
+        for k, c in enumerate(choices):
+            pending[k] = asyncio.ensure_future(c.request.events.queue.get())
+        while pending:
+            done, _ = await asyncio.wait(pending.values(), timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                if await is_disconnected():
+                    return
+                continue
+            for k in [k for k, fut in pending.items() if fut in done]:
+                choice = choices[k]
+                for piece in _on_event(choice, pending.pop(k).result(), decode, trim):
+                    yield piece
+                if choice.ended:
+                    choice.request.cancel()
+                else:
+                    pending[k] = asyncio.ensure_future(choice.request.events.queue.get())
+    finally:
+        for fut in pending.values():
+            fut.cancel()
+        for c in choices:
+            c.request.cancel()

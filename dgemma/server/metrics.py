@@ -1,0 +1,60 @@
+"""/metrics in the Prometheus text format, written by prometheus-client (its escaping and format, not
+ours): the engine's counters read at scrape time, and HTTP answers by route template and status, so a
+client's request path never becomes a label value (the label set is bounded by the routes)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_COUNTERS = {  # EngineStats field -> (metric name, help)
+    "requests": ("dgemma_requests", "requests submitted to the engine"),
+    "requests_finished": ("dgemma_requests_finished", "requests that ran to their end"),
+    "requests_rejected": ("dgemma_requests_rejected", "requests refused because the queue was full"),
+    "requests_cancelled": ("dgemma_requests_cancelled", "requests dropped because their client went away"),
+    "requests_failed": ("dgemma_requests_failed", "requests that failed or timed out"),
+    "tokens_generated": ("dgemma_tokens_generated", "tokens generated"),
+    "denoising_steps": ("dgemma_denoising_steps", "batched denoising passes"),
+    "row_steps": ("dgemma_canvas_steps", "canvas steps summed over the rows of those passes"),
+}
+
+
+class _EngineCollector:
+    """Reads the engine's statistics when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        for field, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(s, field))
+        gauges = {
+            "dgemma_tokens_per_forward": ("tokens generated per canvas step", s.tokens_generated / max(s.row_steps, 1)),
+            "dgemma_queue_depth": ("requests waiting", self.engine.queue_depth),
+            "dgemma_batch_size": ("requests being denoised", self.engine.active),
+            "dgemma_last_batch_size": ("rows of the last denoising pass", s.last_batch_size),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """The server's registry: engine statistics and HTTP answers by route and status."""
+
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.http = Counter(
+            "dgemma_http_requests", "HTTP answers by route and status", ["route", "status"], registry=self.registry
+        )
+
+    def count(self, route: str, status: int) -> None:
+        self.http.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
