@@ -6,7 +6,9 @@
     (`dgemma.infill`, the middle length chosen by the model from 2, 4, 8, ... and also given exactly); the
     AR twin sees only the left side and decodes greedily exactly as many tokens as the true middle (an
     oracle length, generous to it). Scores: exact match of the middle (whitespace at its ends ignored) and
-    `ast.parse` validity of the reassembled file.
+    `ast.parse` validity of the reassembled file. The baseline of the parse rate is the empty fill: the
+    file with the span deleted (prefix + suffix), which parses more often than one might think (a
+    deleted function body or expression rarely does, a deleted line often does).
 (b) Continuation. From the start of a top-level statement, one canvas of new tokens; a snippet "parses"
     when the prefix plus the snippet cut at its last complete line parses (an open block at the end is
     closed with `pass`).
@@ -15,6 +17,7 @@
 Prints a table, writes a PNG plot, ends with one JSON line.
 
     python benchmarks/code_eval.py [--model DIR] [--ar-model DIR] [--spans 100] [--snippets 30]
+    python benchmarks/code_eval.py --baseline-only    # the empty-fill baseline on the same spans (seconds)
 
 By default: the shipped code model (dgemma/models/code) and its AR twin (models/code-ar, beside the package).
 """
@@ -25,6 +28,7 @@ import argparse
 import ast
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -82,13 +86,36 @@ def infill_case(model, ar_model, tok, text: str, a: int, b: int, context: int) -
     return out
 
 
-def _score(text: str, a: int, b: int, filled: str, truth: str, stats) -> dict:
+def fill_parses(text: str, a: int, b: int, filled: str) -> bool:
+    """Whether the file with `text[a:b]` replaced by `filled` parses."""
     try:
         ast.parse(text[:a] + filled + text[b:])
-        parses = True
+        return True
     except (SyntaxError, ValueError):
-        parses = False
+        return False
+
+
+def _score(text: str, a: int, b: int, filled: str, truth: str, stats) -> dict:
+    parses = fill_parses(text, a, b, filled)
     return {"exact": filled.strip() == truth, "parses": parses, "forwards": stats.decoder_forward_passes[0]}
+
+
+def empty_fill_baseline(chosen: dict[str, list]) -> dict[str, dict]:
+    """Per kind (and "all"): how often the file parses with the span simply deleted (an empty fill)."""
+    out = {}
+    for kind, group in [*chosen.items(), ("all", [c for g in chosen.values() for c in g])]:
+        hits = sum(fill_parses(text, a, b, "") for _, text, a, b in group)
+        out[kind] = {"parses": hits / max(len(group), 1), "n": len(group)}
+    return out
+
+
+def load_test_files(path: Path) -> list[dict]:
+    """The held-out files: `path` (recipes/code_data.py's test.jsonl), or when it was not built, the same
+    test split collected here from this Python's standard library (a file's split is a hash of its path)."""
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    print(f"{path} not found: collecting the test split from this Python's standard library", file=sys.stderr)
+    return [{"path": f.path, "text": f.text} for f in code.collect() if f.split == "test"]
 
 
 def snippet_parses(prefix: str, snippet: str) -> bool:
@@ -130,18 +157,27 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192, help="prompt tokens kept before the span")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "code_eval.png")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--baseline-only",
+        action="store_true",
+        help="only the empty-fill baseline on the same spans (no model runs; the tokenizer picks the spans)",
+    )
     args = ap.parse_args()
-    if not args.data.is_file():
-        raise SystemExit(f"{args.data} not found: build it with python recipes/code_data.py")
-    model, tok = dgemma.load(args.model), dgemma.Tokenizer.from_dir(args.model)
+    files = load_test_files(args.data)
+    tok = dgemma.Tokenizer.from_dir(args.model)
+    rng = random.Random(args.seed)
+    chosen = held_out_cases(files, rng, tok, args.max_middle, args.spans)
+    baseline = empty_fill_baseline(chosen)
+    if args.baseline_only:
+        _print_baseline(baseline)
+        print(json.dumps({"benchmark": "code_eval", "baseline_empty_fill": baseline}))
+        return
+    model = dgemma.load(args.model)
     dgemma.accelerate(model)
     ar_model = None
     if (args.ar_model / "config.json").is_file():
         ar_model = dgemma.load(args.ar_model)
         dgemma.accelerate(ar_model)
-    files = [json.loads(line) for line in args.data.read_text().splitlines()]
-    rng = random.Random(args.seed)
-    chosen = held_out_cases(files, rng, tok, args.max_middle, args.spans)
 
     infill: dict[str, dict[str, list[dict]]] = {k: {} for k in KINDS}
     t0 = time.perf_counter()
@@ -171,9 +207,10 @@ def main() -> None:
         return sum(r[key] for r in rows) / max(len(rows), 1)
 
     summary = {"benchmark": "code_eval", "infill": {}, "continuation": {}, "speed": {}}
+    summary["baseline_empty_fill"] = baseline
     print(f"infilling on held-out files ({args.data.name}), {infill_seconds:.0f} s")
-    print("| span | n | diffusion (auto length) | diffusion (given length) | AR twin (left only) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| span | n | diffusion (auto length) | diffusion (given length) | AR twin (left only) | empty fill |")
+    print("|---|---:|---:|---:|---:|---:|")
     for kind in KINDS:
         row = infill[kind]
         cells = []
@@ -187,8 +224,9 @@ def main() -> None:
                 }
             else:
                 cells.append("-")
-        print(f"| {kind} | {len(chosen[kind])} | {cells[0]:>24} | {cells[1]:>24} | {cells[2]:>20} |")
-    print("(exact match / reassembled file parses)\n")
+        empty = f"- / {baseline[kind]['parses']:6.1%}"
+        print(f"| {kind} | {len(chosen[kind])} | {cells[0]:>24} | {cells[1]:>24} | {cells[2]:>20} | {empty:>10} |")
+    print("(exact match / reassembled file parses; empty fill: the span deleted)\n")
     for name, rows in cont.items():
         if rows:
             summary["continuation"][name] = {"parses": sum(rows) / len(rows), "n": len(rows)}
@@ -206,6 +244,14 @@ def main() -> None:
     _plot(summary, args.plot)
     print(f"plot: {args.plot}")
     print(json.dumps(summary))
+
+
+def _print_baseline(baseline: dict[str, dict]) -> None:
+    print("| span | n | empty fill parses |")
+    print("|---|---:|---:|")
+    for kind, row in baseline.items():
+        print(f"| {kind} | {row['n']} | {row['parses']:.1%} |")
+    print("(the file with the span deleted: the floor any fill's parse rate should be read against)")
 
 
 def _plot(summary: dict, path: Path) -> None:
@@ -226,6 +272,11 @@ def _plot(summary: dict, path: Path) -> None:
         for i, (key, name) in enumerate(names):
             values = [100 * summary["infill"].get(k, {}).get(key, {}).get(metric, 0.0) for k in KINDS]
             ax.bar([x + (i - 1) * width for x in range(len(KINDS))], values, width, label=name)
+        if metric == "parses":  # what deleting the span gives: the floor of the parse rate
+            floor = [100 * summary["baseline_empty_fill"][k]["parses"] for k in KINDS]
+            starts, ends = [x - 1.5 * width for x in range(len(KINDS))], [x + 1.5 * width for x in range(len(KINDS))]
+            lines = ax.hlines(floor, starts, ends, colors="black", linestyles="--", label="empty fill (span deleted)")
+            ax.legend(handles=[lines], fontsize=8)
         ax.set_xticks(range(len(KINDS)), KINDS)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)

@@ -10,7 +10,9 @@ autoregressive decoding wins. This module measures, on the current device and we
   first token at several fixed steps per canvas (the adaptive stop switched off);
 - the same weights decoding greedily token by token (tokens/s, time to first token);
 - with trained weights, the steps per canvas the entropy-bound sampler actually takes on a prompt;
-- the crossover: steps per canvas below which diffusion is faster here;
+- the crossover: steps per canvas below which diffusion is faster here, and a recommendation against the
+  steps a canvas takes: measured (the sampler, trained weights), given (`steps_per_canvas`), or, with
+  random weights, assumed (`assumed_steps_per_canvas`, and said to be an assumption);
 - limit accounting: bytes of weights (and KV cache) one step reads, FLOPs, and what that means in
   achieved GB/s and FLOP/s next to this device's measured (and, for known GPUs, nominal) peaks.
 """
@@ -46,9 +48,21 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
     "RTX 3090": (0.936e12, 71e12),
 }
 
-# Tokens per forward of the released model after its second training stage, by the published summaries
-# (about 20): the steps per 256-token canvas a user of the real model can expect.
-RELEASED_STEPS_PER_CANVAS = 256 / 20
+# Tokens per forward of the released model after its second training stage, on its 256-token canvases:
+# "15-20" by the model card, about 20 by the technical report (arXiv 2608.00146); see
+# shared/reference/ecosystem.md. Random weights settle in no meaningful number of steps, so with them the
+# recommendation assumes a model that settles like the released one.
+RELEASED_TOKENS_PER_FORWARD = 20
+RELEASED_CANVAS = 256
+
+
+def assumed_steps_per_canvas(canvas: int, stability_threshold: int = 1, max_steps: int = 48) -> float:
+    """Steps per canvas assumed for random weights: the released model's tokens per forward held at 20,
+    so canvas / 20 steps (12.8 for its 256-token canvas), but never fewer than the stop rule allows (the
+    argmax must hold for `stability_threshold` steps after the first one: 2 steps by default) and never
+    more than the step cap. An assumption, not a measurement: small canvases are not what the figure was
+    measured on, which is why the floor matters there."""
+    return float(min(max(canvas / RELEASED_TOKENS_PER_FORWARD, stability_threshold + 1), max_steps))
 
 
 def synchronize(device: torch.device) -> None:
@@ -229,6 +243,8 @@ class BenchResult:
     crossover_steps: float  # diffusion is faster below this many steps per canvas
     sampler_steps: float | None  # steps per canvas the sampler took (trained weights only)
     sampler_tokens_per_s: float | None
+    expected_steps: float  # the steps per canvas the recommendation compares with the crossover ...
+    expected_steps_source: str  # ... "measured" (the sampler), "given" (steps_per_canvas) or "assumed"
     step_bytes: dict[str, int]
     step_flops: float
     ar_token_bytes: dict[str, int]
@@ -271,27 +287,27 @@ def crossover(canvas: int, step_s: float, overhead_s: float, ar_tokens_per_s: fl
 
 
 def recommend(result: BenchResult) -> str:
-    """One sentence: which decoding mode to use here, and why."""
-    s_star = result.crossover_steps
+    """One sentence: which decoding mode to use here, and why (saying where the steps per canvas come from)."""
+    s_star, steps = result.crossover_steps, result.expected_steps
     if s_star < 1:
         return (
             "autoregressive: on this device a denoising step costs more than a whole canvas of AR tokens, "
             "so diffusion is slower at any step count"
         )
-    if result.sampler_steps is not None:
-        ratio = result.tokens_per_s_at(result.sampler_steps) / result.ar_tokens_per_s
-        mode = "diffusion" if result.sampler_steps < s_star else "autoregressive"
-        return (
-            f"{mode}: the sampler took {result.sampler_steps:.1f} steps per canvas on this model, and diffusion "
-            f"is faster below {s_star:.1f} (diffusion at {ratio:.2f}x AR's tokens/s)"
+    ratio = result.tokens_per_s_at(steps) / result.ar_tokens_per_s
+    mode = "diffusion" if steps < s_star else "autoregressive"
+    if result.expected_steps_source == "measured":
+        why = f"the sampler took {steps:.1f} steps per canvas on this model"
+    elif result.expected_steps_source == "given":
+        why = f"at the {steps:g} steps per canvas given (--steps-per-canvas)"
+    else:
+        why = (
+            f"at an assumed {steps:.1f} steps per canvas (random weights: not measured; a model that settles "
+            f"like the released one, ~{RELEASED_TOKENS_PER_FORWARD} tokens per forward on "
+            f"{RELEASED_CANVAS}-token canvases by its model card and report, and at least the steps its stop "
+            "rule needs; give --steps-per-canvas N, or measure a trained model with --model DIR)"
         )
-    expected = RELEASED_STEPS_PER_CANVAS * result.canvas / 256
-    mode = "diffusion" if expected < s_star else "autoregressive"
-    return (
-        f"{mode} for a model that settles like the released one (~{expected:.0f} steps per canvas, about 20 "
-        f"tokens per forward): diffusion is faster here below {s_star:.1f} steps per canvas (random weights: "
-        "measure a trained model's own steps with --model)"
-    )
+    return f"{mode}: {why}; diffusion is faster here below {s_star:.1f} (diffusion at {ratio:.2f}x AR's tokens/s)"
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -312,12 +328,17 @@ def run_bench(
     ar_tokens: int | None = None,
     repeats: int = 3,
     sampler_prompt: list[int] | None = None,
+    steps_per_canvas: float | None = None,
     progress=None,
 ) -> BenchResult:
     """Measure `model` as it is (accelerate it first for the fast paths). `steps`: fixed steps per canvas
-    to measure; `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights)."""
+    to measure; `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights);
+    `steps_per_canvas`: what the recommendation compares with the crossover (default: the sampler's
+    measured steps, else `assumed_steps_per_canvas`)."""
     if len(set(steps)) < 2 or min(steps) < 1:
         raise ValueError(f"give at least two different step counts >= 1 (got {steps})")
+    if steps_per_canvas is not None and not steps_per_canvas >= 1:
+        raise ValueError(f"steps_per_canvas must be >= 1: a canvas takes at least one step (got {steps_per_canvas})")
     device = model.device
     c = model.config.canvas_length
     vocab = model.text_config.vocab_size
@@ -410,6 +431,7 @@ def run_bench(
         crossover_steps=0.0,
         sampler_steps=sampler_steps,
         sampler_tokens_per_s=sampler_tps,
+        **_expected_steps(model, steps_per_canvas, sampler_steps),
         step_bytes=bytes_step,
         step_flops=step_flops(model.config, c, prefix),
         ar_token_bytes=bytes_token,
@@ -418,6 +440,16 @@ def run_bench(
     result.crossover_steps = crossover(c, step_s, result.canvas_overhead_s, ar_tps)
     result.recommendation = recommend(result)
     return result
+
+
+def _expected_steps(model: DiffusionGemma, given: float | None, measured: float | None) -> dict:
+    if given is not None:
+        return {"expected_steps": float(given), "expected_steps_source": "given"}
+    if measured is not None:
+        return {"expected_steps": measured, "expected_steps_source": "measured"}
+    g = model.generation_config
+    steps = assumed_steps_per_canvas(model.config.canvas_length, g.stability_threshold, g.max_denoising_steps)
+    return {"expected_steps": steps, "expected_steps_source": "assumed"}
 
 
 def _kv_read_bytes(cache) -> int:

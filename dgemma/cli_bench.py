@@ -21,6 +21,16 @@ def _steps(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def _at_least_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: a canvas takes at least one step (got {text})")
+    return value
+
+
 def load_for_bench(args: argparse.Namespace):
     """The model to measure: a preset with random weights, or a checkpoint (default: the shipped code
     model); accelerated unless --no-accelerate. Returns (model, tokenizer or None, what it is)."""
@@ -99,6 +109,7 @@ def format_table(r, label: str) -> str:
     lines += [
         "",
         f"crossover: diffusion is faster than AR here below {r.crossover_steps:.1f} steps per canvas",
+        f"steps per canvas compared with it: {r.expected_steps:.1f} ({r.expected_steps_source})",
         f"recommendation: {r.recommendation}",
     ]
     return "\n".join(lines)
@@ -121,6 +132,8 @@ def plot(r, path: Path, label: str) -> None:
         ax.axvline(r.crossover_steps, color="gray", ls=":", label=f"crossover {r.crossover_steps:.1f} steps")
     if r.sampler_steps is not None:
         ax.plot([r.sampler_steps], [r.sampler_tokens_per_s], "*", ms=12, color="tab:green", label="sampler decides")
+    if r.expected_steps_source != "measured":
+        ax.axvline(r.expected_steps, color="tab:green", ls="-.", label=f"{r.expected_steps_source} steps")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("denoising steps per canvas")
@@ -162,6 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ar_tokens=args.ar_tokens,
         repeats=args.repeats,
         sampler_prompt=sampler_prompt,
+        steps_per_canvas=args.steps_per_canvas,
         progress=progress,
     )
     progress("measuring the device's peaks")
@@ -221,6 +235,14 @@ def register(sub) -> None:
         "--sampler-prompt",
         default="def parse(text):\n",
         help="text the sampler generates from to find its own steps per canvas (trained weights only)",
+    )
+    s.add_argument(
+        "--steps-per-canvas",
+        type=_at_least_one,
+        default=None,
+        help="steps per canvas to recommend for (default: the sampler's measured steps with trained weights; "
+        "with random weights an assumption: canvas / 20, the released model's ~20 tokens per forward, but at "
+        "least the 2 steps its stop rule needs)",
     )
     s.add_argument("--plot", type=Path, default=Path("bench.png"), help="PNG plot path (default bench.png)")
     s.add_argument("--json-out", type=Path, default=None, help="also write the JSON result to this file")

@@ -288,12 +288,36 @@ def _prompt_ids(tokenizer, text: str, args) -> list[int]:
     return tokenizer.apply_chat_template(messages, enable_thinking=True if args.thinking else None)
 
 
+def read_text(source: str, what: str) -> str:
+    """The UTF-8 text of a file, or of stdin when `source` is "-"; a ValueError naming `what` otherwise."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        else:
+            data = Path(source).read_bytes()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what} {source} does not exist") from e
+    except OSError as e:
+        raise ValueError(f"{what} {source}: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = "stdin" if source == "-" else source
+        raise ValueError(
+            f"{what}: {where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give UTF-8 text"
+        ) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a reply to one prompt."""
     from .ar import stream_ar
     from .generate import stream
+    from .tokenizer import check_unicode
 
-    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.prompt is None or args.prompt == "-":
+        text = read_text("-", "the prompt")
+    else:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        text = check_unicode(args.prompt, "--prompt")
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     model, tokenizer = load_model_and_tokenizer(args)
@@ -342,11 +366,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_infill(args: argparse.Namespace) -> int:
     """Fill the middle between a prefix and a suffix."""
     from .editing import infill
+    from .tokenizer import check_unicode
 
-    prefix = Path(args.prefix_file).read_text() if args.prefix_file else args.prefix
-    suffix = Path(args.suffix_file).read_text() if args.suffix_file else args.suffix
+    prefix = read_text(args.prefix_file, "--prefix-file") if args.prefix_file else args.prefix
+    suffix = read_text(args.suffix_file, "--suffix-file") if args.suffix_file else args.suffix
     if prefix is None or suffix is None:
         raise ValueError("give the prefix (--prefix or --prefix-file) and the suffix (--suffix or --suffix-file)")
+    check_unicode(prefix, "--prefix")
+    check_unicode(suffix, "--suffix")
     if args.max_new_tokens is not None:
         raise ValueError("the middle's length is set with --middle-length N (or auto), not --max-new-tokens")
     model, tokenizer = load_model_and_tokenizer(args)
@@ -398,7 +425,7 @@ def register(sub) -> None:
         "checkpoint has one; --raw continues the text instead). Text is printed as it becomes final.",
     )
     add_model_args(g)
-    g.add_argument("--prompt", "-p", help="the prompt (default: read stdin)")
+    g.add_argument("--prompt", "-p", help="the prompt (default, or '-': read stdin, as UTF-8)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--system", help="system message (chat template)")
     g.add_argument("--thinking", action="store_true", help="turn on thinking (chat template's enable_thinking)")
@@ -433,8 +460,8 @@ def register(sub) -> None:
     add_model_args(i)
     i.add_argument("--prefix", help="text before the gap")
     i.add_argument("--suffix", help="text after the gap")
-    i.add_argument("--prefix-file", help="read the prefix from a file")
-    i.add_argument("--suffix-file", help="read the suffix from a file")
+    i.add_argument("--prefix-file", help="read the prefix from a file (UTF-8; '-': stdin)")
+    i.add_argument("--suffix-file", help="read the suffix from a file (UTF-8; '-': stdin)")
     i.add_argument(
         "--middle-length", type=middle_length_arg, default="auto", help="tokens in the middle, or 'auto' (default)"
     )

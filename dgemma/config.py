@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,100 @@ FULL = "full_attention"
 _LAYER_TYPES = (SLIDING, FULL)
 _ROPE_TYPES = ("default", "proportional")
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+# Keys of the official file formats that dgemma reads nothing from: accepted silently. Any other unknown key
+# is a warning, or an error when it is a close misspelling of a key dgemma reads that the file leaves out.
+# fmt: off
+_PRETRAINED_KEYS = frozenset([  # every transformers config.json has these
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "use_cache",
+])
+_CONFIG_KEYS_UNUSED = _PRETRAINED_KEYS | frozenset([
+    # Gemma 4's audio / video ids and blocks, token ids transformers copies to the top, quantization blocks
+    "initializer_range", "audio_config", "video_token_id", "boa_token_id", "eoa_token_id", "eoa_token_index",
+    "audio_token_id", "vision_soft_tokens_per_image", "pad_token_id", "bos_token_id", "eos_token_id",
+    "quantization", "quantization_config",
+])
+_TEXT_KEYS_UNUSED = _PRETRAINED_KEYS | frozenset([
+    # Gemma 4 text keys that do not change DiffusionGemma's computation (dropout is training-only)
+    "model_type", "tie_word_embeddings", "attention_dropout", "vocab_size_per_layer_input", "enable_moe_block",
+    "use_double_wide_mlp",
+])
+# fmt: on
+_TEXT_KEYS_READ = ("per_layer_config", "attention_k_eq_v", "use_bidirectional_attention")
+_TEXT_KEYS_REFUSED = ("hidden_size_per_layer_input", "num_kv_shared_layers")  # E2B/E4B features, refused if set
+# transformers' generation_config.json carries dozens of autoregressive sampling keys that DiffusionGemma's
+# sampler does not use: unknown keys there pass silently, except close misspellings of dgemma's own keys
+# (these two of transformers' keys look like misspellings of ours, and are not).
+_GENERATION_LOOKALIKES = frozenset(["min_new_tokens", "assistant_confidence_threshold"])
+
+
+def _describe_type(hint) -> str:
+    """A field's type in JSON words: int | None -> 'an integer or null'."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " or ".join(_describe_type(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(hint)[0], "values")
+    if typing.get_origin(hint) is dict or hint is dict:
+        return "an object"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return names.get(hint, "a value")
+
+
+def _has_type(value, hint) -> bool:
+    """Whether a value read from JSON fits a field's type hint (an int is a float; a bool is not an int)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_has_type(value, h) for h in args)
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict) and (not args or all(_has_type(v, args[1]) for v in value.values()))
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _check_types(d: dict[str, Any], hints: dict[str, Any], source: str) -> None:
+    """Raise a ValueError naming the file, the key, the expected type and the value of each ill-typed key."""
+    errors = [
+        f"{key} must be {_describe_type(hint)} (got {d[key]!r})"
+        for key, hint in hints.items()
+        if key in d and not _has_type(d[key], hint)
+    ]
+    if errors:
+        raise ValueError(f"{source}: " + "; ".join(errors))
+
+
+def _check_keys(d: dict[str, Any], read: list[str], unused: frozenset[str], source: str, warn: bool = True) -> None:
+    """Refuse a key that is a close misspelling of a key `read` that the file leaves out; warn about the
+    other keys dgemma does not read (silent for the `unused` keys of the official format)."""
+    unknown = sorted(set(d) - set(read) - unused)
+    missing = [k for k in read if k not in d]
+    for key in unknown:
+        close = difflib.get_close_matches(key, missing, n=1, cutoff=0.8)  # one typo in a 10-letter key: 0.95
+        if close:
+            raise ValueError(f"unknown key {key!r} in {source}; did you mean {close[0]!r}?")
+    if unknown and warn:
+        warnings.warn(f"{source}: dgemma does not read {', '.join(map(repr, unknown))}; ignored", stacklevel=3)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object (got {type(d).__name__})")
+    return d
 
 
 def _default_rope_parameters() -> dict[str, dict[str, Any]]:
@@ -206,9 +303,24 @@ class TextConfig:
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TextConfig:
-        """Build from a config.json `text_config` dict; unknown keys are ignored, unsupported ones rejected."""
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> TextConfig:
+        """Build from a config.json `text_config` dict: every value's type is checked, a misspelt key is
+        refused, other unknown keys are a warning, unsupported features are refused. `source` names the
+        file in errors."""
         d = copy.deepcopy(d)
+        where = f"{source} text_config"
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_keys(d, [*names, *_TEXT_KEYS_READ, *_TEXT_KEYS_REFUSED], _TEXT_KEYS_UNUSED, where)
+        hints = {
+            **typing.get_type_hints(cls),
+            "rope_parameters": dict[str, dict[str, Any]] | None,
+            "per_layer_config": dict | None,
+        }
+        hints.update(attention_k_eq_v=bool | None, use_bidirectional_attention=str | None)
+        _check_types(d, hints, where)
+        for name, rope in (d.get("rope_parameters") or {}).items():
+            rope_hints = {"rope_type": str, "rope_theta": float, "partial_rotary_factor": float}
+            _check_types(rope, rope_hints, f"{where} rope_parameters[{name!r}]")
         bidir = d.get("use_bidirectional_attention")
         if bidir == "all":
             raise ValueError(
@@ -220,12 +332,11 @@ class TextConfig:
                 "per-layer input embeddings and shared-KV layers (Gemma 4 E2B/E4B features) are not "
                 "part of DiffusionGemma"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         layer_types = d.get("layer_types")
         per_layer = d.get("per_layer_config")
         if per_layer:
-            kwargs.update(_read_per_layer_config(per_layer, layer_types, d))
+            kwargs.update(_read_per_layer_config(per_layer, layer_types, d, where))
         else:
             # transformers' defaults when config.json gives neither form
             kwargs.setdefault("global_head_dim", 512)
@@ -258,7 +369,7 @@ class TextConfig:
         return d
 
 
-def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: dict) -> dict[str, Any]:
+def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: dict, where: str) -> dict[str, Any]:
     """Turn transformers' `per_layer_config` back into global_head_dim / num_global_key_value_heads.
 
     DiffusionGemma's global layers all share one override ({head_dim, num_key_value_heads}); any other
@@ -287,6 +398,7 @@ def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: di
     unknown = set(override) - {"head_dim", "num_key_value_heads"}
     if unknown:
         raise ValueError(f"text_config.per_layer_config: unsupported per-layer fields {sorted(unknown)}")
+    _check_types(override, {"head_dim": int, "num_key_value_heads": int | None}, f"{where}.per_layer_config")
     return {
         "global_head_dim": override.get("head_dim", d.get("head_dim", 256)),
         "num_global_key_value_heads": override.get("num_key_value_heads"),
@@ -309,7 +421,8 @@ class DiffusionGemmaConfig:
             raise ValueError(f"canvas_length must be a positive integer (got {self.canvas_length!r})")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DiffusionGemmaConfig:
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DiffusionGemmaConfig:
+        """Build from config.json's object (types checked, misspelt keys refused); `source` names the file."""
         model_type = d.get("model_type")
         if model_type != "diffusion_gemma":
             raise ValueError(
@@ -323,9 +436,13 @@ class DiffusionGemmaConfig:
             )
         text = d.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError("config.json has no text_config object")
+            raise ValueError(f"{source} has no text_config object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_keys(d, [*names, "model_type", "tie_word_embeddings"], _CONFIG_KEYS_UNUSED, source)
+        hints = {**typing.get_type_hints(cls), "canvas_length": int, "tie_word_embeddings": bool | None}
+        _check_types(d, {k: v for k, v in hints.items() if k != "text_config"}, source)
         return cls(
-            text_config=TextConfig.from_dict(text),
+            text_config=TextConfig.from_dict(text, source),
             canvas_length=d.get("canvas_length", 256),
             boi_token_id=d.get("boi_token_id", 255_999),
             eoi_token_id=d.get("eoi_token_id", 258_882),
@@ -356,11 +473,7 @@ class DiffusionGemmaConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a checkpoint directory needs a config.json")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
+        return cls.from_dict(_read_json_object(path), str(path))
 
 
 @dataclass(slots=True)
@@ -396,12 +509,19 @@ class GenerationConfig:
             raise ValueError("invalid generation config: " + "; ".join(errors))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerationConfig:
+    def from_dict(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
+        """Build from generation_config.json's object: null values take the reference defaults, every other
+        value's type is checked, a misspelt key is refused; `source` names the file in errors."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_keys(d, [*names, "sampler_config"], _GENERATION_LOOKALIKES, source, warn=False)
         d = {k: v for k, v in d.items() if v is not None}
+        _check_types(d, {**typing.get_type_hints(cls), "sampler_config": dict}, source)
         sampler = d.pop("sampler_config", None)
-        if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        if sampler:
+            _check_keys(sampler, ["entropy_bound"], frozenset(), f"{source} sampler_config", warn=False)
+            _check_types(sampler, {"entropy_bound": float | None}, f"{source} sampler_config")
+        if sampler and sampler.get("entropy_bound") is not None:
             d.setdefault("entropy_bound", sampler["entropy_bound"])
-        names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
@@ -417,10 +537,7 @@ class GenerationConfig:
             path = path / "generation_config.json"
         if not path.is_file():
             return cls()
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(_read_json_object(path), str(path))
 
 
 # ------------------------------------------------------------------------------------------------

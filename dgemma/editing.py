@@ -15,13 +15,20 @@ suffix are pinned to the end-of-text token: the text ends there. The middle sees
 the canvas: tokens of a suffix longer than C - m are not visible to the middle (they are re-attached
 verbatim to the result).
 
+A middle ends at its first end-of-text token: the model ending the text inside the middle means the
+middle is shorter (`cut_at_end`), and the tokens after it are dropped.
+
 How the middle length is chosen: give `middle_length` when you know it (edit uses the span's length).
-With "auto", dgemma fills the middle at several lengths (2, 4, 8, ... up to what fits) as one batch and
-keeps the fill under which the text reads best: by default the encoder's mean next-token log-probability
-of the middle and the first `SCORED_SUFFIX` suffix tokens after the prefix (`length_score="encoder"`),
-or the denoiser's mean log-probability of the completed canvas (`length_score="denoiser"`). The scores
-are returned. On the shipped code model the encoder's score makes 80 of 120 held-out fills parse against
-46 for the denoiser's (benchmarks/infill_length_choice.py).
+With "auto", dgemma fills the middle at several lengths (2, 4, 8, ... up to `max_middle_length`) as one
+batch and keeps the fill under which the text reads best. Each fill is scored as the text it gives: its
+middle cut at the end of text, then what follows it (the suffix, then the end-of-text token) - so a fill
+that ends early counts as the shorter middle it is, never as a run of end-of-text tokens (which a
+causal model finds easy to predict, and which a per-token mean would otherwise favour). The score is, by
+default, the encoder's mean next-token log-probability of the middle and the first `SCORED_SUFFIX`
+tokens after it (`length_score="encoder"`), or the denoiser's mean log-probability of the middle and
+the suffix in the canvas that middle gives (`length_score="denoiser"`). The scores are returned. On the
+shipped code model the encoder's score makes 80 of 120 held-out fills parse against 46 for the
+denoiser's (benchmarks/infill_length_choice.py, measured before fills were cut at the end of text).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 from .generate import GenerationResult, SamplingParams, generate, left_pad
 from .model import DiffusionGemma
 
-SCORED_SUFFIX = 32  # suffix tokens scored with the middle when choosing its length
+SCORED_SUFFIX = 32  # tokens after the middle (suffix, then end of text) scored when choosing its length
 
 
 def _check_ids(ids: list[int], vocab: int, what: str) -> list[int]:
@@ -63,12 +70,50 @@ def _start_prompt(model: DiffusionGemma, prompt: list[int]) -> list[int]:
     return [bos]
 
 
-def _end_token(model: DiffusionGemma) -> int:
+def end_of_text_ids(model: DiffusionGemma) -> list[int]:
+    """The token ids that end a text: generation_config.json's eos_token_id, else config.json's.
+
+    The first is the one infilling pins after the suffix; any of them ends a middle (`cut_at_end`).
+    """
     eos = model.generation_config.eos_token_id
     ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     if not ids:
         raise ValueError("infilling pins end-of-text after the suffix and needs an eos_token_id in the config")
-    return ids[0]
+    return list(ids)
+
+
+def max_middle_length(model: DiffusionGemma) -> int:
+    """The longest middle an infill canvas holds: `canvas_length - 1`.
+
+    One canvas position is left after the middle, so the middle always sees what follows it (the first
+    suffix token, or the end-of-text pin when the suffix is empty); a middle as long as the canvas would
+    see nothing after it, which is a continuation, not an infill. (A canvas of 1 allows a middle of 1.)
+    """
+    return max(model.config.canvas_length - 1, 1)
+
+
+def infill_template(model: DiffusionGemma, suffix_ids: list[int], middle_length: int) -> list[int | None]:
+    """The canvas an infill denoises: `[middle_length holes (None) | suffix | end-of-text ...]`.
+
+    As much of the suffix as fits after the holes is pinned, and the rest of the canvas is pinned to the
+    first end-of-text token (the text ends after the suffix). The template is `canvas_length` long;
+    suffix tokens beyond it are not seen by the middle.
+    """
+    limit = max_middle_length(model)
+    if isinstance(middle_length, bool) or not isinstance(middle_length, int) or not 0 < middle_length <= limit:
+        raise ValueError(f"middle_length must be an integer in [1, {limit}] (got {middle_length!r})")
+    suffix_ids = _check_ids(list(suffix_ids), model.text_config.vocab_size, "suffix")
+    end = end_of_text_ids(model)[0]
+    return _infill_template(middle_length, suffix_ids, model.config.canvas_length, end)[0]
+
+
+def cut_at_end(model: DiffusionGemma, middle_ids: list[int]) -> list[int]:
+    """`middle_ids` up to its first end-of-text token (excluded): where the model says the text ends.
+
+    Returned unchanged (as a new list) when it holds none; may be empty.
+    """
+    ends = set(end_of_text_ids(model))
+    return next((list(middle_ids[:i]) for i, t in enumerate(middle_ids) if t in ends), list(middle_ids))
 
 
 def fill(
@@ -108,6 +153,8 @@ def fill(
 
 
 def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
+    """`infill_template` without a model (a middle of 0 gives a template without holes), and how many
+    suffix tokens it shows."""
     visible = suffix[: max(canvas - middle, 0)]
     template = [None] * middle + visible + [end] * (canvas - middle - len(visible))
     return template, len(visible)
@@ -115,9 +162,9 @@ def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> t
 
 @dataclass
 class InfillResult:
-    middle: list[int]  # the generated middle
+    middle: list[int]  # the generated middle, cut at its first end-of-text token
     tokens: list[int]  # prefix + middle + suffix
-    middle_length: int
+    middle_length: int  # the holes of the chosen canvas (the middle is shorter when it ended the text)
     scores: dict[int, float]  # middle length -> its length_score (with middle_length="auto")
     result: GenerationResult
     text: str | None = None
@@ -140,36 +187,44 @@ def infill(
         raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
     prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
     suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
-    canvas = model.config.canvas_length
-    end = _end_token(model)
+    limit = max_middle_length(model)
     if middle_length == "auto":
-        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n < canvas] or [max(canvas - 1, 1)]
-    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= canvas:
+        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
+    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= limit:
         lengths = [middle_length]
     else:
-        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {canvas}] (got {middle_length!r})")
-    templates = [_infill_template(n, suffix, canvas, end)[0] for n in lengths]
+        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
+    templates = [infill_template(model, suffix, n) for n in lengths]
     prompt = _start_prompt(model, prefix)
     result = fill(model, templates, [prompt] * len(templates), params, **overrides)
+    middles = [cut_at_end(model, row[:n]) for row, n in zip(result.tokens, lengths, strict=True)]
     scores: dict[int, float] = {}
     best = 0
     if len(lengths) > 1:
         if length_score == "encoder":
-            texts = [row[:n] + suffix[:SCORED_SUFFIX] for row, n in zip(result.tokens, lengths, strict=True)]
-            logps = continuation_logprobs(model, prompt, texts)
-            values = [float(lp.mean()) for lp in logps]
+            values = _encoder_scores(model, prompt, middles, suffix)
         else:
-            scored = [n + _infill_template(n, suffix, canvas, end)[1] for n in lengths]
-            values = _denoiser_scores(model, prompt, result.tokens, scored)
+            values = _denoiser_scores(model, prompt, middles, suffix)
         scores = dict(zip(lengths, values, strict=True))
         best = max(range(len(lengths)), key=lambda i: values[i])
-    n = lengths[best]
-    middle = result.tokens[best][:n]
-    out = InfillResult(middle, prefix + middle + suffix, n, scores, result)
+    middle = middles[best]
+    out = InfillResult(middle, prefix + middle + suffix, lengths[best], scores, result)
     if tokenizer is not None:
         out.text = tokenizer.decode(out.tokens)
         out.middle_text = tokenizer.decode(middle)
     return out
+
+
+def _encoder_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+    """Mean encoder log-probability of each middle and the `SCORED_SUFFIX` tokens after it.
+
+    What follows a middle is the suffix, then the end of the text: with a short or empty suffix the
+    end-of-text token is scored too, so the model says whether the text can end there (and an empty
+    middle before an empty suffix still has a token to score).
+    """
+    after = suffix + end_of_text_ids(model)[:1]
+    texts = [m + after[:SCORED_SUFFIX] for m in middles]
+    return [float(lp.mean()) for lp in continuation_logprobs(model, prompt, texts)]
 
 
 @torch.no_grad()
@@ -199,13 +254,23 @@ def continuation_logprobs(
 
 
 @torch.no_grad()
-def _denoiser_scores(model: DiffusionGemma, prompt: list[int], canvases: list[list[int]], scored: list[int]):
-    """Mean log-probability one denoising pass gives the first `scored[i]` tokens of each completed canvas."""
-    rows = len(canvases)
+def _denoiser_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+    """Mean log-probability one denoising pass gives each middle and what follows it in its canvas.
+
+    Each middle is placed in the canvas of its own (cut) length, `[middle | suffix | end-of-text ...]`; the
+    scored tokens are the middle, the visible suffix and the first end-of-text pin when the canvas has one.
+    """
+    canvas_length, end = model.config.canvas_length, end_of_text_ids(model)[0]
+    canvases, scored = [], []
+    for m in middles:
+        template, visible = _infill_template(len(m), suffix, canvas_length, end)
+        canvases.append(m + template[len(m) :])
+        scored.append(min(len(m) + visible + 1, canvas_length))
+    rows = len(middles)
     ids, _ = left_pad([prompt] * rows, 0, model.device)
     cache = model.new_cache(rows, ids.shape[1])
     model.encode(ids, cache)
-    canvas = torch.tensor([c[: model.config.canvas_length] for c in canvases], device=model.device)
+    canvas = torch.tensor(canvases, device=model.device)
     logp = torch.log_softmax(model.denoise(canvas, cache), dim=-1)
     token_logp = logp.gather(-1, canvas[..., None]).squeeze(-1)
     return [float(token_logp[i, : scored[i]].mean()) for i in range(rows)]
@@ -224,7 +289,8 @@ def edit(
     """Rewrite `ids[span[0]:span[1]]` (token positions) with everything else kept and in view.
 
     The replacement has the span's length unless `new_length` says otherwise (a span of length 0 with a
-    `new_length` inserts). The text before the span is the prefix, the text after it the suffix.
+    `new_length` inserts); it is shorter when the model ends the text inside it. The text before the span
+    is the prefix, the text after it the suffix.
     """
     ids = _check_ids(_text_or_ids(ids, tokenizer, "text"), model.text_config.vocab_size, "text")
     if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
@@ -233,10 +299,10 @@ def edit(
     if not 0 <= a <= b <= len(ids):
         raise ValueError(f"span {span} is not within the text's {len(ids)} tokens (need 0 <= start <= end <= len)")
     n = (b - a) if new_length is None else new_length
-    canvas = model.config.canvas_length
-    if not isinstance(n, int) or not 0 < n <= canvas:
+    limit = max_middle_length(model)
+    if not isinstance(n, int) or not 0 < n <= limit:
         raise ValueError(
-            f"the replacement must have between 1 and {canvas} tokens (got {n}); give new_length "
+            f"the replacement must have between 1 and {limit} tokens (got {n}); give new_length "
             "for an insertion (an empty span)"
         )
     return infill(model, ids[:a], ids[b:], n, params, tokenizer=tokenizer, **overrides)

@@ -9,6 +9,7 @@ blocks), so the text is what the checkpoint's template produces there.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -87,6 +88,24 @@ def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def check_unicode(text: str, what: str = "the text") -> str:
+    """Return `text` if it is valid Unicode, else raise a ValueError naming the first bad character.
+
+    A Python string can hold lone surrogates (U+D800-U+DFFF) that no UTF-8 text contains: bytes that are not
+    UTF-8 become U+DC80-U+DCFF when read with errors="surrogateescape" (command-line arguments, and stdin
+    in a C locale), and JSON "\\ud800" escapes decode to them. The tokenizer cannot encode them.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        origin = f" (the byte 0x{bad - 0xDC00:02x}, which is not UTF-8)" if 0xDC80 <= bad <= 0xDCFF else ""
+        raise ValueError(
+            f"{what} is not valid Unicode: character {e.start} is a lone surrogate U+{bad:04X}{origin}; give UTF-8 text"
+        ) from None
+    return text
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the chat template, for one checkpoint."""
 
@@ -149,6 +168,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry holds: a text of more characters than
+        `max_token_chars * n` cannot fit in n tokens (the server refuses such prompts before tokenising)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -169,7 +194,8 @@ class Tokenizer:
         return self._special_id("pad_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; a ValueError when it is not valid Unicode (see `check_unicode`)."""
+        return self._tok.encode(check_unicode(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if hasattr(ids, "tolist"):

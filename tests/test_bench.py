@@ -20,6 +20,43 @@ def test_fit_line_and_crossover():
         bench.fit_line([4, 4], [1.0, 1.1])
 
 
+def test_assumed_steps_per_canvas_scale_with_the_canvas_but_not_below_the_stop_rule():
+    assert bench.assumed_steps_per_canvas(256) == pytest.approx(12.8)  # the released model: ~20 tokens per forward
+    assert bench.assumed_steps_per_canvas(64) == pytest.approx(3.2)
+    assert bench.assumed_steps_per_canvas(8) == 2.0  # the stop rule needs the argmax to hold for a step
+    assert bench.assumed_steps_per_canvas(8, stability_threshold=0) == 1.0
+    assert bench.assumed_steps_per_canvas(4096, max_steps=48) == 48.0
+
+
+def _result(canvas: int, step_s: float, overhead_s: float, ar_tokens_per_s: float, **steps) -> bench.BenchResult:
+    """A BenchResult with only what the recommendation reads set meaningfully."""
+    r = bench.BenchResult(
+        device="cpu", params=1, active_params=1, dtype="float32", quant=None, canvas=canvas, prompt_tokens=8,
+        prefill_s=0.0, step_s=step_s, canvas_overhead_s=overhead_s, points=[], ar_tokens_per_s=ar_tokens_per_s,
+        ar_time_to_first_token=0.0, crossover_steps=bench.crossover(canvas, step_s, overhead_s, ar_tokens_per_s),
+        sampler_steps=None, sampler_tokens_per_s=None, expected_steps=0.0, expected_steps_source="assumed",
+        step_bytes={}, step_flops=0.0, ar_token_bytes={}, ar_token_flops=0.0,
+    )  # fmt: skip
+    for key, value in steps.items():
+        setattr(r, key, value)
+    return r
+
+
+def test_small_canvas_recommendation_follows_the_arithmetic():
+    # 8-token canvas: AR makes it in 0.8 s; diffusion takes 0.4 s per step + 0.2 s: faster below 1.5 steps
+    r = _result(8, 0.4, 0.2, 10.0, expected_steps=bench.assumed_steps_per_canvas(8))
+    assert r.crossover_steps == pytest.approx(1.5)
+    text = bench.recommend(r)
+    assert text.startswith("autoregressive: at an assumed 2.0 steps per canvas (random weights: not measured")
+    assert "below 1.5" in text and f"{r.tokens_per_s_at(2.0) / 10.0:.2f}x" in text
+    given = bench.recommend(_result(8, 0.4, 0.2, 10.0, expected_steps=1.0, expected_steps_source="given"))
+    assert given.startswith("diffusion: at the 1 steps per canvas given (--steps-per-canvas)")
+    measured = bench.recommend(_result(256, 0.01, 0.0, 100.0, expected_steps=12.5, expected_steps_source="measured"))
+    assert measured.startswith("diffusion: the sampler took 12.5 steps per canvas")
+    slow = bench.recommend(_result(8, 1.0, 0.0, 10.0, expected_steps=2.0))  # a step costs more than 8 AR tokens
+    assert slow.startswith("autoregressive: on this device a denoising step costs more")
+
+
 @torch.no_grad()
 def test_step_bytes_count_routed_experts_and_embedding_uses():
     model = bench.random_model("tiny")  # MoE: 4 experts, top 2
@@ -65,6 +102,22 @@ def test_bench_cli_on_a_preset(tmp_path, capsys):
     assert result["peaks"]["copy_gbps"] > 0 and result["peaks"]["matmul_tflops"] > 0
     assert "crossover" in out and "recommendation" in out and "diffusion, 4 steps/canvas" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # random weights: the steps are assumed (8-token canvas: the stop rule's 2), and said to be
+    assert (result["expected_steps"], result["expected_steps_source"]) == (2.0, "assumed")
+    assert "assumed 2.0 steps per canvas (random weights: not measured" in result["recommendation"]
+    assert "steps per canvas compared with it: 2.0 (assumed)" in out
+
+
+def test_bench_cli_takes_the_steps_per_canvas_to_recommend_for(tmp_path, capsys):
+    args = ["bench", "--preset", "tiny", "--random-weights", "--steps", "1,2", "--repeats", "1", "--canvases", "1"]
+    assert main([*args, "--steps-per-canvas", "3", "--plot", str(tmp_path / "b.png"), "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["expected_steps"], result["expected_steps_source"]) == (3.0, "given")
+    assert "at the 3 steps per canvas given" in result["recommendation"]
+    for bad in ("0.5", "many"):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--steps-per-canvas", bad])
+        assert e.value.code == 2 and "--steps-per-canvas" in capsys.readouterr().err
 
 
 def test_bench_cli_lets_a_trained_model_choose_its_steps(tmp_path, capsys):
@@ -72,7 +125,8 @@ def test_bench_cli_lets_a_trained_model_choose_its_steps(tmp_path, capsys):
     assert main([*args, "--quiet"]) == 0  # the shipped code model
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 1 <= result["sampler_steps"] <= 48 and result["sampler_tokens_per_s"] > 0
-    assert "sampler took" in result["recommendation"]
+    assert "sampler took" in result["recommendation"] and result["expected_steps_source"] == "measured"
+    assert result["expected_steps"] == result["sampler_steps"]
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,40 @@ def test_generation_errors(ckpt_with_tokenizer, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, stdin, message",
+    [
+        (["generate"], b"\xff\xfe", "the prompt: stdin is not UTF-8 text (byte 0xff at offset 0)"),
+        (["generate", "-p", "-"], b"ok \xc3", "stdin is not UTF-8 text (byte 0xc3 at offset 3)"),
+        (["generate", "-p", "ab\udcff"], b"", "--prompt is not valid Unicode: character 2 is a lone surrogate"),
+        (["infill", "--prefix", "\udcff", "--suffix", "x"], b"", "--prefix is not valid Unicode: character 0"),
+        (["infill", "--prefix", "x", "--suffix", "\ud800"], b"", "--suffix is not valid Unicode"),
+        (["infill", "--prefix-file", "-", "--suffix", "x"], b"\xff", "--prefix-file: stdin is not UTF-8 text"),
+    ],
+)
+def test_text_that_is_not_utf8_is_a_one_line_error(ckpt_with_tokenizer, capsys, monkeypatch, args, stdin, message):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    assert main([args[0], "-m", str(ckpt_with_tokenizer), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dgemma {args[0]}: error: {err.split('error: ', 1)[1]}" and err.count("\n") == 1
+    assert message in err
+
+
+def test_non_utf8_argv_and_files_from_a_real_process(ckpt_with_tokenizer, tmp_path):
+    # bytes in argv reach Python as lone surrogates (surrogateescape): the whole path, with no mocking
+    (tmp_path / "prefix.py").write_bytes(b"x = \xe9\n")  # Latin-1, not UTF-8
+    runs = [
+        (["infill", "--prefix", b"\xff\xfe", "--suffix", "x"], "--prefix is not valid Unicode"),
+        (["infill", "--prefix-file", tmp_path / "prefix.py", "--suffix", "x"], "is not UTF-8 text (byte 0xe9"),
+        (["infill", "--prefix-file", tmp_path, "--suffix", "x"], "--prefix-file"),  # a directory
+    ]
+    for args, message in runs:
+        argv = [sys.executable, "-m", "dgemma.cli", args[0], "-m", str(ckpt_with_tokenizer), *args[1:]]
+        out = subprocess.run(argv, capture_output=True, input=b"")
+        err = out.stderr.decode()
+        assert out.returncode == 2 and message in err and "Traceback" not in err, err
+
+
 def test_bad_flag_values_are_usage_errors(ckpt_with_tokenizer, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "-m", str(ckpt_with_tokenizer), "--tokens-per-step", "0"])

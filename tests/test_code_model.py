@@ -67,3 +67,51 @@ def test_shipped_model_repairs_a_corrupted_canvas():
     guess = model.denoise(canvas, cache).argmax(-1)
     repaired = (guess == truth)[noisy].float().mean().item()
     assert repaired > 0.25, repaired  # chance: 1 / 4096 (the shipped model: 0.375)
+
+
+def _code_eval():
+    """benchmarks/code_eval.py as a module (benchmarks are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "code_eval.py"
+    spec = importlib.util.spec_from_file_location("code_eval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_code_eval_empty_fill_baseline_deletes_the_span():
+    code_eval = _code_eval()
+    text = "def f(x):\n    y = (x + 1)\n    return y\n"
+    line = (text.index("    y"), text.index("    return"))  # deleting the line leaves `return y`: parses
+    expression = (text.index("(x +"), text.index("1)") + 2)  # `y = ` alone does not parse
+    body = (text.index("    y"), len(text))  # `def f(x):` without a body does not parse
+    chosen = {
+        kind: [(kind, text, a, b)] for kind, (a, b) in zip(code_eval.KINDS, (line, expression, body), strict=True)
+    }
+    baseline = code_eval.empty_fill_baseline(chosen)
+    assert {k: v["parses"] for k, v in baseline.items()} == {"line": 1.0, "expression": 0.0, "body": 0.0, "all": 1 / 3}
+    assert baseline["all"]["n"] == 3 and code_eval.fill_parses(text, *expression, "x")
+
+
+def test_code_eval_baseline_only_runs_without_a_model(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"path": "m.py", "text": SNIPPET}) + "\n")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "code_eval.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--baseline-only", "--data", str(data), "--model", str(MODEL_DIR)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])["baseline_empty_fill"]
+    code_eval = _code_eval()
+    import random
+
+    tok = dgemma.Tokenizer.from_dir(MODEL_DIR)
+    chosen = code_eval.held_out_cases([{"text": SNIPPET}], random.Random(0), tok, 24, 100)
+    assert result == code_eval.empty_fill_baseline(chosen) and result["all"]["n"] > 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 
 import pytest
 import torch
@@ -160,6 +162,102 @@ def test_generation_config_defaults_and_validation(tmp_path):
     with pytest.raises(ValueError, match="max_denoising_steps"):
         GenerationConfig(max_denoising_steps=0)
     assert GenerationConfig.from_dict(GenerationConfig(entropy_bound=0.3).to_dict()).entropy_bound == 0.3
+
+
+def _write(tmp_path, name, d):
+    (tmp_path / name).write_text(json.dumps(d))
+    return tmp_path
+
+
+def test_official_format_loads_without_notices(moe_ckpt, tmp_path):
+    # every key transformers writes (architectures, vision_config, dtype, attention_dropout, ...) is known
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DiffusionGemmaConfig.from_file(moe_ckpt[0])
+        GenerationConfig.from_file(moe_ckpt[0])
+        GenerationConfig.from_dict({"temperature": 1.0, "min_new_tokens": 3, "do_sample": True})  # AR keys: unused
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"entropy_bound": "x"}, "entropy_bound must be a number (got 'x')"),
+        ({"max_denoising_steps": True}, "max_denoising_steps must be an integer (got True)"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer (got 2.5)"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id must be an integer or a list of integers or null"),
+        ({"sampler_config": {"entropy_bound": "x"}}, "sampler_config: entropy_bound must be a number"),
+        ({"sampler_config": 0.1}, "sampler_config must be an object"),
+        ({"max_denoising_step": 8}, "unknown key 'max_denoising_step' .*; did you mean 'max_denoising_steps'"),
+        ({"sampler_config": {"entropy_bond": 0.2}}, "sampler_config; did you mean 'entropy_bound'"),
+    ],
+)
+def test_generation_config_json_is_type_checked(tmp_path, change, message):
+    (tmp_path / "generation_config.json").write_text(json.dumps(change))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "generation_config.json"))) as e:
+        GenerationConfig.from_file(tmp_path)
+    assert e.match(message if "did you mean" in message else re.escape(message))
+
+
+def _without(d: dict, key: str) -> dict:
+    d.pop(key)
+    return d
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["text_config"].update(hidden_size="64"), "text_config: hidden_size must be an integer (got '64')"),
+        (lambda d: d["text_config"].update(rms_norm_eps=None), "rms_norm_eps must be a number (got None)"),
+        (lambda d: d["text_config"].update(layer_types="full"), "layer_types must be a list of strings or null"),
+        (lambda d: d["text_config"].update(rope_parameters={"full_attention": 1}), "rope_parameters must be an obj"),
+        (
+            lambda d: d["text_config"]["rope_parameters"]["full_attention"].update(rope_theta="1e6"),
+            "text_config rope_parameters['full_attention']: rope_theta must be a number (got '1e6')",
+        ),
+        (lambda d: d["text_config"]["per_layer_config"]["5"].update(head_dim="32"), "per_layer_config: head_dim must"),
+        (lambda d: d.update(canvas_length="8"), "config.json: canvas_length must be an integer (got '8')"),
+        (lambda d: d.update(boi_token_id=1.5), "boi_token_id must be an integer or null (got 1.5)"),
+        (
+            lambda d: _without(d["text_config"], "hidden_size").update(hiden_size=64),
+            "unknown key 'hiden_size' in .*config.json text_config; did you mean 'hidden_size'\\?",
+        ),
+        (
+            lambda d: _without(d, "canvas_length").update(canvas_lenght=8),
+            "unknown key 'canvas_lenght' in .*config.json; did you mean 'canvas_length'",
+        ),
+    ],
+)
+def test_config_json_is_type_checked_and_misspellings_named(tmp_path, edit, message):
+    d = preset("tiny").to_dict()
+    edit(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=message if "did you mean" in message else re.escape(message)):
+        DiffusionGemmaConfig.from_file(tmp_path)
+
+
+def test_other_unknown_keys_are_named_in_a_notice(tmp_path):
+    d = preset("tiny").to_dict()
+    d["text_config"]["hidden_size_for_lora"] = 3  # not a misspelling of a missing key
+    d["text_config"]["hiden_size"] = 64  # close to hidden_size, which is given: a notice, not an error
+    d["rope_theta"] = 10_000.0
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        DiffusionGemmaConfig.from_file(tmp_path)
+    assert sorted(str(w.message).split(": ", 1)[1] for w in record) == [
+        "dgemma does not read 'hidden_size_for_lora', 'hiden_size'; ignored",  # text_config
+        "dgemma does not read 'rope_theta'; ignored",  # the top level
+    ]
+    assert sum(" text_config: " in str(w.message) for w in record) == 1
+
+
+def test_config_files_must_hold_a_utf8_json_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        DiffusionGemmaConfig.from_file(tmp_path)
+    (tmp_path / "generation_config.json").write_bytes(b'{"t_min": "\xff"}')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        GenerationConfig.from_file(tmp_path)
 
 
 def test_unknown_preset():

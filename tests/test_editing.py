@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from dgemma import edit, fill, infill
-from dgemma.editing import continuation_logprobs
+from dgemma.editing import (
+    SCORED_SUFFIX,
+    continuation_logprobs,
+    cut_at_end,
+    end_of_text_ids,
+    infill_template,
+    max_middle_length,
+)
 from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=3, seed=0)
+EOS = 1  # the tiny checkpoint's end-of-text token
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +46,91 @@ def test_infill_with_given_length_keeps_both_sides(model):
     assert r.result.tokens[0][3:6] == [40, 41, 42] and r.result.tokens[0][6:] == [1, 1]
 
 
+@contextlib.contextmanager
+def boosted_eos(model, factor):
+    """Make the end-of-text token likely, so an untrained model ends the text inside the middle."""
+    row = model.embed_tokens.weight[EOS]
+    saved = row.clone()
+    with torch.no_grad():
+        row *= factor
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            row.copy_(saved)
+
+
+def _cut(ids):
+    return ids[: ids.index(EOS)] if EOS in ids else ids
+
+
 @pytest.mark.parametrize("length_score", ["encoder", "denoiser"])
 def test_infill_auto_length_scores_candidates(model, length_score):
     r = infill(model, [5, 6, 7], [40, 41], length_score=length_score, **KW)
     assert set(r.scores) == {2, 4} and r.middle_length == max(r.scores, key=r.scores.get)
-    assert len(r.middle) == r.middle_length
-    if length_score == "encoder":  # the mean encoder log-probability of middle + suffix after the prefix
-        for n, score in r.scores.items():
-            fill_n = r.result.tokens[list(r.scores).index(n)][:n]
-            assert score == pytest.approx(float(_slow_logprobs(model, [5, 6, 7], [*fill_n, 40, 41]).mean()), abs=1e-5)
+    assert r.middle == _cut(r.result.tokens[list(r.scores).index(r.middle_length)][: r.middle_length])
+    for i, (n, score) in enumerate(r.scores.items()):
+        middle = _cut(r.result.tokens[i][:n])
+        # batched passes against one row at a time: equal to rounding (fp32, a few ulps of a log-softmax)
+        assert score == pytest.approx(_slow_score(model, [5, 6, 7], middle, [40, 41], length_score), abs=1e-5)
+
+
+@torch.no_grad()
+def _slow_score(model, prompt, middle, suffix, length_score):
+    """The length score of one candidate, written out: the middle, then what follows it in the text."""
+    if length_score == "encoder":  # the middle, the suffix and the end of text, SCORED_SUFFIX tokens after
+        return float(_slow_logprobs(model, prompt, (middle + suffix + [EOS])[: len(middle) + SCORED_SUFFIX]).mean())
+    canvas_length = model.config.canvas_length
+    canvas = (middle + suffix + [EOS] * canvas_length)[:canvas_length]
+    cache = model.new_cache(1, len(prompt))
+    model.encode(torch.tensor([prompt]), cache)
+    logp = torch.log_softmax(model.denoise(torch.tensor([canvas]), cache)[0], -1)
+    scored = min(len(middle) + len(suffix) + 1, canvas_length)  # middle, visible suffix, first end-of-text pin
+    return float(logp[torch.arange(scored), torch.tensor(canvas[:scored])].mean())
+
+
+def test_middle_ends_at_its_first_end_of_text_token(model):
+    seen = 0
+    with boosted_eos(model, 4.0):
+        for seed in range(4):
+            r = infill(model, [5, 6, 7], [40, 41], 6, max_denoising_steps=3, seed=seed)
+            raw = r.result.tokens[0][:6]
+            seen += EOS in raw
+            assert r.middle == _cut(raw) and EOS not in r.middle
+            assert r.tokens == [5, 6, 7, *r.middle, 40, 41] and r.middle_length == 6
+    assert seen, "the boosted model should end the text inside some middle (else this test checks nothing)"
+
+
+@pytest.mark.parametrize("suffix", [[], [40, 41]])
+@pytest.mark.parametrize("length_score", ["encoder", "denoiser"])
+def test_auto_length_scores_the_text_a_fill_gives_not_its_end_of_text_run(model, suffix, length_score):
+    # the reported case: an empty prefix or suffix, and a model that likes to end the text
+    seen = 0
+    with boosted_eos(model, 4.0):
+        for seed in range(3):
+            r = infill(model, [], suffix, length_score=length_score, max_denoising_steps=3, seed=seed)
+            assert EOS not in r.middle and r.tokens == r.middle + suffix
+            for i, (n, score) in enumerate(r.scores.items()):
+                raw = r.result.tokens[i][:n]
+                seen += EOS in raw
+                # a fill that ends early is scored as the shorter middle it is (rounding: batched rows)
+                assert score == pytest.approx(_slow_score(model, [2], _cut(raw), suffix, length_score), abs=1e-5)
+    assert seen, "the boosted model should end the text inside some fill (else this test checks nothing)"
+
+
+def test_public_template_helpers(model):
+    assert end_of_text_ids(model) == [EOS]
+    assert max_middle_length(model) == model.config.canvas_length - 1 == 7
+    assert infill_template(model, [40, 41], 3) == [None, None, None, 40, 41, EOS, EOS, EOS]
+    assert infill_template(model, list(range(40, 50)), 7) == [None] * 7 + [40]  # only what fits is seen
+    assert infill_template(model, [], 2) == [None, None] + [EOS] * 6
+    assert cut_at_end(model, [5, 6, EOS, 7, EOS]) == [5, 6]
+    assert cut_at_end(model, [EOS, 5]) == [] and cut_at_end(model, [5, 6]) == [5, 6]
+    for bad in (0, 8, True, "3"):
+        with pytest.raises(ValueError, match=r"middle_length must be an integer in \[1, 7\]"):
+            infill_template(model, [40], bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        infill_template(model, [40, 999], 2)
 
 
 @torch.no_grad()
@@ -93,6 +179,7 @@ def test_text_api_with_tokenizer(model, tmp_path):
         (lambda m: fill(m, [[None], [None]], prompt=[[1], [2], [3]]), "3 prompts for 2 templates"),
         (lambda m: infill(m, [5], [6], middle_length=0), "middle_length must be"),
         (lambda m: infill(m, [5], [6], middle_length=99), "middle_length must be"),
+        (lambda m: infill(m, [5], [6], middle_length=8), r"integer in \[1, 7\]"),  # the middle must see the suffix
         (lambda m: infill(m, "text", [6]), "needs a tokenizer"),
         (lambda m: infill(m, [5], [6], length_score="best"), "length_score must be"),
         (lambda m: edit(m, [5, 6, 7], (2, 9)), "not within the text"),

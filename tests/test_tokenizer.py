@@ -128,3 +128,21 @@ def test_errors(saved, tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% if %}")
     with pytest.raises(ValueError, match="does not compile"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("\ud800", "character 0 is a lone surrogate U+D800"),  # what a JSON "\ud800" escape decodes to
+        ("ab\udcff", "character 2 is a lone surrogate U+DCFF (the byte 0xff"),  # argv bytes via surrogateescape
+        ("x\udfff\ud800", "character 1 is a lone surrogate U+DFFF"),  # the first bad character is named
+    ],
+)
+def test_encode_refuses_text_that_is_not_valid_unicode(text, message):
+    tok = make_tokenizer(vocab_size=400)
+    with pytest.raises(ValueError) as e:
+        tok.encode(text)
+    assert f"the text is not valid Unicode: {message}" in str(e.value)
+    with pytest.raises(ValueError, match="not valid Unicode"):  # chat messages go through encode too
+        tok.apply_chat_template([{"role": "user", "content": text}])
+    assert tok.decode(tok.encode("Ünïcödé ✓ 🚀 \U0010ffff")) == "Ünïcödé ✓ 🚀 \U0010ffff"  # astral characters are fine
