@@ -61,19 +61,24 @@ class Server:
         exe = shutil.which("dgemma", path=str(Path(sys.executable).parent)) or "dgemma"
         cmd = [exe, "serve", "--model", str(model), "--port", str(self.port), "--max-batch", str(max_batch)]
         cmd += ["--max-queue", str(max_queue), "--served-model-name", "bench"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # the server's log goes to a file: a pipe nobody reads would fill and stall the server
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="dgemma-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
     def __enter__(self):
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"the server exited: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return self
             except OSError:
                 time.sleep(0.3)
         raise RuntimeError("the server did not answer /health within 120 s")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return Path(self.log.name).read_text()[-chars:]
 
     def peak_rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

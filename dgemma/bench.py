@@ -289,13 +289,6 @@ def crossover(canvas: int, step_s: float, overhead_s: float, ar_tokens_per_s: fl
 def recommend(result: BenchResult) -> str:
     """One sentence: which decoding mode to use here, and why (saying where the steps per canvas come from)."""
     s_star, steps = result.crossover_steps, result.expected_steps
-    if s_star < 1:
-        return (
-            "autoregressive: on this device a denoising step costs more than a whole canvas of AR tokens, "
-            "so diffusion is slower at any step count"
-        )
-    ratio = result.tokens_per_s_at(steps) / result.ar_tokens_per_s
-    mode = "diffusion" if steps < s_star else "autoregressive"
     if result.expected_steps_source == "measured":
         why = f"the sampler took {steps:.1f} steps per canvas on this model"
     elif result.expected_steps_source == "given":
@@ -307,6 +300,13 @@ def recommend(result: BenchResult) -> str:
             f"{RELEASED_CANVAS}-token canvases by its model card and report, and at least the steps its stop "
             "rule needs; give --steps-per-canvas N, or measure a trained model with --model DIR)"
         )
+    if s_star < 1:  # the measured speeds decide this, whatever the steps
+        return (
+            "autoregressive: on this device a denoising step costs more than a whole canvas of AR tokens, "
+            f"so diffusion is slower at any step count, {why}"
+        )
+    ratio = result.tokens_per_s_at(steps) / result.ar_tokens_per_s
+    mode = "diffusion" if steps < s_star else "autoregressive"
     return f"{mode}: {why}; diffusion is faster here below {s_star:.1f} (diffusion at {ratio:.2f}x AR's tokens/s)"
 
 

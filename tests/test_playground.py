@@ -49,48 +49,53 @@ def _set(browser, element_id: str, value: str) -> None:
     el.send_keys(value)
 
 
-def test_playground_streams_the_canvas_live(server, browser):
+def _live_run(browser, mode: str, prompt: str, suffix: str = "", max_tokens: str = "20") -> tuple[int, str]:
+    """Run one generation in `mode`; check that the canvas was redrawn live, step by step, and the
+    statistics shown; returns (steps, output text)."""
+    browser.find_element("css selector", f"input[name=mode][value={mode}]").click()
+    assert browser.find_element("id", "suffix").is_displayed() == (mode == "infill")
+    _set(browser, "prompt", prompt)
+    if mode == "infill":
+        _set(browser, "suffix", suffix)
+    _set(browser, "max_tokens", max_tokens)
+    _set(browser, "steps", "4")
+    # the times at which the canvas changed: a live page changes it while the answer is streaming
+    browser.execute_script(
+        "window.changes = []; new MutationObserver(() => window.changes.push(performance.now()))"
+        ".observe(document.getElementById('canvas'), {childList: true, characterData: true, subtree: true});"
+    )
+    _run(browser)
+    stats = browser.find_element("id", "stats").text
+    assert stats.startswith("done: ") and "? tokens" not in stats, (mode, stats)
+    steps = int(stats.split()[1])
+    assert steps >= 2, (mode, stats)  # several denoising steps were shown
+    assert int(browser.find_element("id", "canvas").get_attribute("data-draws")) == steps  # one draw per draft
+    assert len(browser.execute_script("return window.changes")) >= 2, mode  # drawn as they came, not once at the end
+    assert browser.find_element("id", "canvas").text.strip(), mode
+    return steps, browser.find_element("id", "output").text
+
+
+def test_playground_shows_the_live_canvas_in_every_mode(server, browser):
     from live_server import KEY
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(server.url + "/")
+    assert browser.find_element("css selector", "input[name=mode]:checked").get_attribute("value") == "complete"
+    assert browser.find_element("id", "prompt").get_attribute("value").startswith("def ")  # code, for the code model
     WebDriverWait(browser, 20).until(lambda b: "API key" in b.find_element("id", "model").text)
     _set(browser, "key", KEY)  # the page asks for the model list again with the key
     WebDriverWait(browser, 20).until(lambda b: b.find_element("id", "model").text == "tiny")
-    _set(browser, "prompt", "Say something.")
-    _set(browser, "max_tokens", "20")
-    _set(browser, "steps", "4")
-    # count every redraw of the canvas element: a live page redraws it once per denoising step
-    browser.execute_script(
-        "window.redraws = 0; new MutationObserver(() => window.redraws++)"
-        ".observe(document.getElementById('canvas'), {childList: true, characterData: true, subtree: true});"
-    )
-    _run(browser)
     if os.environ.get("DGEMMA_SCREENSHOT"):
         browser.save_screenshot(os.environ["DGEMMA_SCREENSHOT"])
-    stats = browser.find_element("id", "stats").text
-    assert stats.startswith("done: "), stats
-    steps = int(stats.split()[1])
-    assert steps >= 2  # at least one canvas, several steps
-    assert browser.execute_script("return window.redraws") >= steps  # the page showed each draft as it came
-    assert browser.find_element("id", "output").text.strip() or "tokens" in stats
-
-
-def test_playground_infill_and_errors(server, browser):
-    from live_server import KEY
-
-    browser.get(server.url + "/")
-    browser.find_element("css selector", "input[name=mode][value=infill]").click()
-    assert browser.find_element("id", "suffix").is_displayed()
-    _set(browser, "key", KEY)
-    _set(browser, "prompt", "def add(a, b):\n")
-    _set(browser, "suffix", "\nprint(add(1, 2))")
-    _set(browser, "max_tokens", "8")
-    _set(browser, "steps", "3")
-    _run(browser)
-    out = browser.find_element("id", "output").text
+    _live_run(browser, "complete", "def f(x):\n")
+    _live_run(browser, "chat", "Say something.")
+    _, out = _live_run(browser, "infill", "def add(a, b):\n", "\nprint(add(1, 2))", max_tokens="4")
     assert out.startswith("def add(a, b):") and "⟨" in out and "⟩" in out and out.endswith("print(add(1, 2))"), out
-    # a wrong API key: the page shows the server's error instead of failing silently
-    _set(browser, "key", "wrong")
+    _live_run(browser, "complete", "x = ", max_tokens="")  # an empty box means the server's default length
+
+
+def test_playground_shows_errors(server, browser):
+    browser.get(server.url + "/")
+    _set(browser, "key", "wrong")  # a wrong API key: the page shows the server's error instead of failing silently
     _run(browser)
     assert browser.find_element("css selector", "#output .error").text

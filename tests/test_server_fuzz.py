@@ -1,12 +1,18 @@
 """Property-based fuzzing of the live server from its own OpenAPI schema (schemathesis): whatever the body,
 the answer is never a 5xx. Generation sizes are clamped so that each case stays short on a CPU; the
-oversized and invalid values themselves are covered by test_server.py."""
+oversized and invalid values themselves are covered by test_server_limits.py, and the requests that once
+broke the server (tests/hostile.py) are replayed here, one by one and then under concurrent streams."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
+from hostile import HOSTILE, is_openai_error, replay  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from live_server import KEY  # noqa: E402
 
@@ -41,3 +47,67 @@ def test_no_server_errors(server):
             given(case=op.as_strategy())(_check)
         )
         run()
+
+
+# -- the requests that once broke the server (tests/hostile.py), once each and then all at once ----------------
+
+
+@pytest.mark.parametrize("name, path, body, statuses", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_request_is_a_4xx(server, name, path, body, statuses):
+    async def one():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await replay(client, path, body, KEY)
+
+    response = asyncio.run(one())
+    assert response.status_code in statuses and is_openai_error(response), (
+        name,
+        response.status_code,
+        response.text[:300],
+    )
+
+
+def test_hostile_requests_under_concurrent_streams(server):
+    """16 clients at once, each streaming a real completion and replaying a share of the hostile requests:
+    no 5xx, every stream ends with [DONE], and /health answers promptly throughout."""
+
+    async def stream(client) -> tuple[int, str]:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": True}
+        body["max_denoising_steps"] = 3
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for _ in range(100):  # 16 streams > the fixture's 12 places: a 429 says when to come back, as clients do
+            async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+            if r.status_code != 429:
+                return r.status_code, lines[-1]
+            await asyncio.sleep(float(r.headers["retry-after"]) / 10)
+        return 429, ""
+
+    async def worker(client, i: int) -> list[int]:
+        statuses = []
+        for name, path, body, _ in HOSTILE[i::16]:
+            if name == "100 MB body":
+                continue  # sent once above; 16 copies would only measure loopback bandwidth
+            statuses.append((await replay(client, path, body, KEY)).status_code)
+        assert await stream(client) == (200, "data: [DONE]")
+        return statuses
+
+    async def health_probe(client, stop: asyncio.Event) -> float:
+        worst = 0.0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert (await client.get("/health")).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+        return worst
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            stop = asyncio.Event()
+            probe = asyncio.create_task(health_probe(client, stop))
+            results = await asyncio.gather(*(worker(client, i) for i in range(16)))
+            stop.set()
+            return [s for r in results for s in r], await probe
+
+    statuses, worst_health = asyncio.run(main())
+    assert statuses and all(400 <= s < 500 for s in statuses), statuses
+    assert worst_health < 3.0  # the event loop never blocked on a request's parsing or tokenising

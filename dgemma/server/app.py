@@ -194,7 +194,7 @@ async def _tokenize(served: _Served, fn, *args, param: str, **kwargs) -> list[in
 def _check_chars(served: _Served, chars: int, param: str) -> None:
     """A text of more characters than the context could hold even at the longest token is refused
     before it is tokenised."""
-    limit = served.context * _longest_token_chars(served.tokenizer)
+    limit = served.context * served.tokenizer.max_token_chars
     if chars > limit:
         raise ApiError(
             400,
@@ -202,15 +202,6 @@ def _check_chars(served: _Served, chars: int, param: str) -> None:
             param,
             code="context_length_exceeded",
         )
-
-
-def _longest_token_chars(tokenizer) -> int:
-    cached = getattr(tokenizer, "_dgemma_longest_token", None)
-    if cached is None:
-        vocab = tokenizer._tok.get_vocab() if hasattr(tokenizer, "_tok") else {}
-        cached = max((len(t) for t in vocab), default=64) or 64
-        tokenizer._dgemma_longest_token = cached
-    return cached
 
 
 def _budget(served: _Served, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:

@@ -1,0 +1,161 @@
+"""Hostile load on `dgemma serve`: 32 concurrent clients replay every request that once broke the server
+(tests/hostile.py: a 100 MB body, a million messages, unbounded settings, lone surrogates, deep nesting,
+invalid UTF-8, crafted metric paths, unsupported fields, ...) while streaming real completions, and some
+of them leave mid-stream. Counted from the client side: answers by status class (5xx must be 0), streams
+that ended with [DONE], the worst /health latency during the run, and the server's peak resident memory
+before and after (VmHWM: it must stay bounded, not grow with what clients send).
+
+Without --model it serves a random-weight `tiny` model (benchmarks/serve_load.py's), so the figures
+measure the serving machinery. Prints a table and ends with one JSON line.
+
+    python benchmarks/serve_hostile.py [--model DIR] [--clients 32] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hostile import CRAFTED_PATH, HOSTILE, body_bytes, is_openai_error, replay
+from serve_load import Server, _toy_model_dir
+
+STREAM = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32, "stream": True}
+
+
+async def _stream(client: httpx.AsyncClient, leave_early: bool) -> str:
+    """One streaming completion: 'done' ([DONE] seen), 'left' (we hung up on purpose) or the status."""
+    for _ in range(600):
+        async with client.stream("POST", "/v1/chat/completions", json={**STREAM, "max_denoising_steps": 8}) as r:
+            if r.status_code == 429:
+                await asyncio.sleep(0.2)
+                continue
+            if r.status_code != 200:
+                return str(r.status_code)
+            async for line in r.aiter_lines():
+                if leave_early and line.startswith("data: "):
+                    return "left"
+                if line == "data: [DONE]":
+                    return "done"
+            return "no [DONE]"
+    return "429 throughout"
+
+
+# encoded once, before the clock starts: json.dumps of a million messages would block the clients' own loop
+ENCODED = [(name, path, body_bytes(body)) for name, path, body, _ in HOSTILE]
+
+
+async def _client(i: int, url: str, rounds: int, statuses: Counter, streams: Counter, shapes: Counter) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        for r in range(rounds):
+            for name, path, body in ENCODED:
+                if name == "100 MB body" and (i, r) != (0, 0):
+                    continue  # once is the test; 32 copies would measure loopback bandwidth
+                try:
+                    response = await replay(client, path, body, None)
+                except httpx.TransportError:
+                    # refused from its Content-Length: the server answers 413 and closes while the client is
+                    # still sending, and the kernel may reset the connection before the client reads the answer
+                    statuses["closed"] += 1
+                    continue
+                statuses[response.status_code // 100 * 100] += 1
+                shapes[is_openai_error(response)] += 1
+            await client.get(CRAFTED_PATH.replace('"', "%22").replace("\n", "%0A").replace(" ", "%20"))
+            streams[await _stream(client, leave_early=(i + r) % 4 == 0)] += 1
+
+
+def _health(url: str, stop: threading.Event, worst: list[float]) -> None:
+    """Poll /health from a thread of its own, so that the clients' work cannot delay the measurement."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            client.get("/health").raise_for_status()
+            worst[0] = max(worst[0], time.perf_counter() - t0)
+            time.sleep(0.1)
+
+
+async def _run(url: str, clients: int, rounds: int) -> dict:
+    statuses, streams, shapes = Counter(), Counter(), Counter()
+    stop, worst = threading.Event(), [0.0]
+    probe = threading.Thread(target=_health, args=(url, stop, worst))
+    probe.start()
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(_client(i, url, rounds, statuses, streams, shapes) for i in range(clients)))
+    finally:
+        stop.set()
+        probe.join()
+    wall = time.perf_counter() - t0
+    return {"statuses": statuses, "streams": streams, "openai_shaped": shapes, "wall_s": wall, "health": worst[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="model directory (default: a random-weight tiny model)")
+    ap.add_argument("--clients", type=int, default=32, help="concurrent clients (default 32)")
+    ap.add_argument("--rounds", type=int, default=2, help="times each client replays the whole list (default 2)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or _toy_model_dir(Path(tmp))
+        with Server(model, max_batch=8, max_queue=64) as server:
+            asyncio.run(_run(server.url, 2, 1))  # warm-up: every path once
+            before = server.peak_rss_mb()
+            try:
+                result = asyncio.run(_run(server.url, args.clients, args.rounds))
+            except Exception:
+                print("the server's log ends:\n" + server.log_tail(), file=sys.stderr)
+                raise
+            after = server.peak_rss_mb()
+            metrics = httpx.get(server.url + "/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metric_names = len(list(text_string_to_metric_families(metrics)))  # raises if the page does not parse
+    s, st = result["statuses"], result["streams"]
+    print(
+        f"\nserve_hostile: {args.model or 'tiny preset, random weights'}; {args.clients} clients x {args.rounds} rounds"
+    )
+    print(f"of {len(HOSTILE)} hostile requests + 1 crafted path + 1 stream (a quarter hang up mid-stream)\n")
+    print(
+        "| answers 2xx / 4xx / 5xx / closed | OpenAI-shaped errors | streams done / left / other | worst /health (s) |"
+        " server peak RSS before -> after (MB) | /metrics |"
+    )
+    print("|---|---:|---|---:|---|---|")
+    other = sum(v for k, v in st.items() if k not in ("done", "left"))
+    shaped = result["openai_shaped"]
+    print(
+        f"| {s[200]} / {s[400]} / {s[500]} / {s['closed']} | {shaped[True]} of {sum(shaped.values())} | "
+        f"{st['done']} / {st['left']} / {other} | {result['health']:.2f} | {before:.0f} -> {after:.0f} | "
+        f"{metric_names} families, {len(metrics)} bytes |"
+    )
+    ok = s[500] == 0 and other == 0 and result["openai_shaped"][False] == 0
+    summary = {
+        "benchmark": "serve_hostile",
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "status_2xx": s[200],
+        "status_4xx": s[400],
+        "status_5xx": s[500],
+        "closed_while_sending": s["closed"],
+        "streams": dict(st),
+        "worst_health_s": round(result["health"], 3),
+        "peak_rss_mb_before": round(before),
+        "peak_rss_mb_after": round(after),
+        "metrics_bytes": len(metrics),
+        "wall_s": round(result["wall_s"], 1),
+        "ok": ok,
+    }
+    print(json.dumps(summary))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
