@@ -5,7 +5,10 @@ and the bounds on slow clients and on shutdown. Every answer that is not a 2xx i
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,7 @@ import pytest
 from dgemma.testing import load_quiet
 
 pytest.importorskip("uvicorn")
-from live_server import KEY, LiveServer
+from live_server import KEY, LiveServer, _free_port
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
@@ -338,3 +341,50 @@ def test_shutdown_ends_open_streams_with_done(app_factory):
             rest = [x for x in lines if x.startswith("data: ")]
         assert time.monotonic() - t0 < 5
         assert rest[-1] == "data: [DONE]" and any('"shutting_down"' in x for x in rest)
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--port", "99999", "between 1 and 65535"),
+        ("--port", "http", "not a port number"),
+        ("--request-timeout", "inf", "positive number of seconds"),
+        ("--max-queue", "-1", "integer >= 0"),
+    ],
+)
+def test_serve_flags_are_checked(flag, value, message, capsys):
+    from dgemma.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "x", flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc")
+def test_sigterm_drains_dgemma_serve_within_its_bound(model_dir):
+    """The real command: SIGTERM with a stream open ends the stream with [DONE] and the process promptly."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dgemma.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--shutdown-timeout", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": _user(), **SLOW, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and any('"shutting_down"' in x for x in rest)
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM ended it
+        assert proc.wait(timeout=10) in (0, -signal.SIGTERM) and time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
