@@ -33,6 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         limits=limits,
         check_host=loopback and not args.api_key,
+        max_context=args.max_context,
     )
     where = f"http://{args.host}:{args.port}"
     print(f"dgemma serve: {name} on {where} (playground: {where}/, API: {where}/v1)", file=sys.stderr)
@@ -97,6 +98,13 @@ def register(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests denoised together (default 8)")
     s.add_argument("--max-queue", type=non_negative_int, default=64, help="requests waiting before 429 (default 64)")
     s.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds before a request is dropped")
+    s.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        help="positions (prompt + generated tokens) one request may use, which sizes its KV cache "
+        "(default: the model's context, at most 32768)",
+    )
     s.add_argument(
         "--max-body-bytes", type=positive_int, default=Limits.max_body_bytes, help="largest request body (413 above)"
     )

@@ -388,3 +388,12 @@ def test_sigterm_drains_dgemma_serve_within_its_bound(model_dir):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_max_context_bounds_each_requests_cache(app_factory):
+    with pytest.raises(ValueError, match="max_context"):
+        app_factory(max_context=10**9)
+    with LiveServer(app_factory(max_context=64)) as live:
+        assert _post(live.url, "/v1/completions", {"prompt": [5] * 40, "max_tokens": 24, **FAST}).is_success
+        err = _error(_post(live.url, "/v1/completions", {"prompt": [5] * 40, "max_tokens": 25}), 400, "max_tokens")
+        assert "at most 24 tokens" in err["message"] and "--max-context" in err["message"]

@@ -40,6 +40,7 @@ from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 STATIC = Path(__file__).parent / "static"
 TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)
+DEFAULT_MAX_CONTEXT = 32768  # positions per request unless --max-context says otherwise (each has its own cache)
 
 
 @dataclass
@@ -52,10 +53,7 @@ class _Served:
     name: str
     request_timeout: float
     tokenizing: asyncio.Semaphore
-
-    @property
-    def context(self) -> int:
-        return self.model.text_config.max_position_embeddings
+    context: int  # the most positions one request may use (prompt + generated): its KV cache's size
 
     @property
     def canvas(self) -> int:
@@ -76,13 +74,20 @@ def create_app(
     request_timeout: float = 600.0,
     limits: Limits | None = None,
     check_host: bool = False,
+    max_context: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `model` (its engine thread starts now and stops with the app).
 
     `check_host` answers only requests addressed to localhost (set it when serving on loopback without
-    a key); `limits` bounds the body (see guard.Limits)."""
+    a key); `limits` bounds the body (see guard.Limits); `max_context` bounds the positions (prompt and
+    generated tokens) of one request, and so its KV cache (default: the model's context, at most 32768)."""
+    model_context = model.text_config.max_position_embeddings
+    context = min(model_context, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
+    if not 0 < context <= model_context:
+        raise ValueError(f"max_context must be in [1, {model_context}] (the model's context); got {context}")
     engine = Engine(model, max_batch=max_batch, max_queue=max_queue)
-    served = _Served(model, tokenizer, engine, model_name, request_timeout, asyncio.Semaphore(TOKENIZE_AT_ONCE))
+    semaphore = asyncio.Semaphore(TOKENIZE_AT_ONCE)
+    served = _Served(model, tokenizer, engine, model_name, request_timeout, semaphore, context)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -198,7 +203,7 @@ def _check_chars(served: _Served, chars: int, param: str) -> None:
     if chars > limit:
         raise ApiError(
             400,
-            f"{param} has {chars} characters, more than the model's context of {served.context} tokens can hold",
+            f"{param} has {chars} characters, more than the context of {served.context} tokens can hold",
             param,
             code="context_length_exceeded",
         )
@@ -211,8 +216,8 @@ def _budget(served: _Served, requested: int | None, prompt_len: int, param: str,
     if room <= 0:
         raise ApiError(
             400,
-            f"the prompt has {prompt_len} tokens, which leaves no room for a canvas of {c} in the model's "
-            f"context of {served.context}",
+            f"the prompt has {prompt_len} tokens, which leaves no room for a canvas of {c} in the "
+            f"context of {served.context} (dgemma serve --max-context)",
             prompt_param,
             code="context_length_exceeded",
         )
@@ -221,7 +226,7 @@ def _budget(served: _Served, requested: int | None, prompt_len: int, param: str,
         raise ApiError(
             400,
             f"{param} is too large: with a prompt of {prompt_len} tokens, at most {room} tokens fit in the "
-            f"model's context of {served.context} (whole canvases of {c})",
+            f"context of {served.context} (whole canvases of {c}; dgemma serve --max-context)",
             param,
             code="context_length_exceeded",
         )
