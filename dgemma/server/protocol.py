@@ -10,6 +10,7 @@ too, so that no parameter is ever silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -204,24 +205,8 @@ class DiffusionSettings(BaseModel):
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The SamplingParams this request asks for (validated later, with the model's defaults)."""
-        fields = {
-            name: getattr(self, name)
-            for name in (
-                "max_denoising_steps",
-                "entropy_bound",
-                "t_min",
-                "t_max",
-                "stability_threshold",
-                "confidence_threshold",
-                "sampler",
-                "confidence",
-                "tokens_per_step",
-                "mode",
-                "early_commit_steps",
-                "early_commit_entropy",
-            )
-            if getattr(self, name) is not None
-        }
+        passed = (f.name for f in dataclasses.fields(SamplingParams) if f.name in _PASSED_THROUGH)
+        fields = {name: getattr(self, name) for name in passed if getattr(self, name) is not None}
         if self.temperature is not None and self.t_min is None and self.t_max is None:
             # One OpenAI temperature becomes the schedule's start, ending at half of it (the defaults' ratio).
             top = max(self.temperature, 0.02)
@@ -231,6 +216,10 @@ class DiffusionSettings(BaseModel):
         if self.ignore_eos:
             fields["stop_token_ids"] = []
         return SamplingParams(max_new_tokens=max_tokens, seed=self.seed, **fields)
+
+
+# the SamplingParams fields a request sets under their own names (seed, length and early commit are derived)
+_PASSED_THROUGH = frozenset(DiffusionSettings.model_fields) - {"seed", "max_new_tokens", "early_commit"}
 
 
 class ChatCompletionRequest(DiffusionSettings):
