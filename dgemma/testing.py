@@ -286,6 +286,39 @@ MEDIUM_TEXT = dict(
 )
 
 
+def fp32_tolerance(scale: float, hidden_size: int, num_layers: int) -> float:
+    """How far two correct fp32 computations of one random-weight model may disagree (another BLAS kernel,
+    batch shape or buffer alignment) on outputs of magnitude `scale` after `num_layers` layers.
+
+    The rounding errors of an M-term fp32 sum add up like sqrt(M) * eps of its scale, in any summation
+    order; through these random layers they grow about sqrt(2)x per layer; 16x covers the spread over
+    inputs. Measured by benchmarks/parity.py (its one-ulp column: every weight moved by one ulp), the logits
+    move by up to 5e-5 (tiny: 6 layers, M = 64) and 1.5e-3 (medium: 12 layers, M = 256), 3-5x below this
+    bound. Rounding that flips a top-k routing choice is not covered: random MoE models deeper than about
+    16 layers hit such flips.
+    """
+    return 16 * torch.finfo(torch.float32).eps * scale * hidden_size**0.5 * 2 ** (num_layers / 2)
+
+
+@torch.no_grad()
+def fp32_tolerances(model) -> tuple[float, float]:
+    """`fp32_tolerance` at a dgemma model's depth and width for (its denoise logits, its hidden states and
+    KV cache), each at its own scale: the max |value| after a short random prompt and one canvas."""
+    g = torch.Generator().manual_seed(0)
+    text, c = model.text_config, model.config.canvas_length
+    cache = model.new_cache(1, 16 + c)
+    hidden = model.encode(torch.randint(3, text.vocab_size, (1, 16), generator=g), cache).hidden_states
+    logits = model.denoise(torch.randint(0, text.vocab_size, (1, c), generator=g), cache)
+    states = [hidden, *cache.keys, *cache.values]  # unwritten cache slots are zeros: no effect on the max
+    scales = logits.abs().max().item(), max(t.abs().max().item() for t in states)
+    return tuple(fp32_tolerance(s, text.hidden_size, text.num_hidden_layers) for s in scales)
+
+
+def fp32_logit_tolerance(model) -> float:
+    """`fp32_tolerance` for a dgemma model's denoise logits (see `fp32_tolerances`)."""
+    return fp32_tolerances(model)[0]
+
+
 def dense_checkpoint_from_oracle(src: str | Path, dst: str | Path) -> Path:
     """Rewrite an oracle checkpoint whose experts add zero as a dense-only dgemma checkpoint."""
     import json

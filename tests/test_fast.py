@@ -7,7 +7,7 @@ import torch
 
 import dgemma.fast as fast
 from dgemma import build, preset
-from dgemma.testing import load_quiet
+from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 
 @pytest.fixture()
@@ -35,10 +35,13 @@ def test_accelerated_model_matches_reference(model, monkeypatch, experts):
     fast.accelerate(model, grouped=experts == "grouped")
     assert fast.is_accelerated(model)
     out = _run(model)
-    for a, b in zip(ref, out, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    text = model.text_config
+    for a, b in zip(ref, out, strict=True):  # other kernels: equal to fp32 rounding at each output's scale
+        tol = fp32_tolerance(a.abs().max().item(), text.hidden_size, text.num_hidden_layers)
+        torch.testing.assert_close(b, a, rtol=0, atol=tol)
     fast.restore(model)
     assert not fast.is_accelerated(model)
+    # restored: the very same computation again, so bit for bit
     assert all(torch.equal(a, b) for a, b in zip(ref, _run(model), strict=True))
 
 
@@ -62,18 +65,23 @@ def test_sorted_experts_handle_unused_experts():
     index = torch.tensor([[0, 2]] * 5)  # experts 1 and 3 get no tokens
     weights = torch.rand(5, 2)
     ref = layer.experts(x, weights, index)
-    torch.testing.assert_close(fast._experts_sorted(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fast._experts_dense(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fast.experts_grouped(layer.experts, x, weights, index), ref, rtol=1e-5, atol=1e-6)
+    tol = fp32_tolerance(ref.abs().max().item(), 64, num_layers=0)  # one block, matmuls over other row counts
+    for path in (fast._experts_sorted, fast._experts_dense, fast.experts_grouped):
+        torch.testing.assert_close(path(layer.experts, x, weights, index), ref, rtol=0, atol=tol)
 
 
-def test_grouped_experts_in_bf16_match_the_reference_exactly():
+def test_grouped_experts_in_bf16_match_the_reference():
     m = build(preset("tiny"), dtype=torch.bfloat16)
     experts = m.layers[1].experts
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     weights = torch.softmax(torch.randn(40, 2), -1)
     index = torch.stack([torch.randperm(4)[:2] for _ in range(40)])
-    assert torch.equal(fast.experts_grouped(experts, x, weights, index), experts(x, weights, index))
+    ref = experts(x, weights, index)
+    # Bit for bit on the CPUs tried, but nothing promises that torch's grouped matmul accumulates as a
+    # per-expert matmul does: one bf16 ulp (2^-7 relative at most) where another fp32 accumulation order
+    # flips a rounding, half an ulp of the largest output where a sum cancels.
+    out = fast.experts_grouped(experts, x, weights, index)
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=2**-8 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("prompt", [5, 30])  # the sliding ring (15 slots) partly written, and full
@@ -84,6 +92,7 @@ def test_static_step_matches_denoise(model, prompt):
     from dgemma.graphs import GraphedDenoise
 
     graphed = GraphedDenoise(model, capture=False)
+    tol = fp32_logit_tolerance(model)  # a padded ring and fixed shapes: other matmul shapes, same values
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 512, (2, prompt), generator=g)
     mask = torch.ones(2, prompt, dtype=torch.long)
@@ -93,10 +102,10 @@ def test_static_step_matches_denoise(model, prompt):
     for _ in range(2):
         canvas = torch.randint(0, 512, (2, 8), generator=g)
         first = model.denoise(canvas, cache)
-        torch.testing.assert_close(graphed(canvas, cache), first, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graphed(canvas, cache), first, rtol=0, atol=tol)
         soft = model.soft_embedding(first / 0.7)
         ref = model.denoise(canvas, cache, self_conditioning_embeds=soft)
-        torch.testing.assert_close(graphed(canvas, cache, self_conditioning_embeds=soft), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(graphed(canvas, cache, self_conditioning_embeds=soft), ref, rtol=0, atol=tol)
         model.encode(ref.argmax(-1), cache)  # commit: the next canvas sits 8 positions later
     assert len(graphed.entries) == 2 and graphed.fallbacks == 0  # one entry per (signal or not), reused
     graphed(canvas, cache, first)  # logits as the signal (exact mode): served by the ordinary denoise

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dgemma import KVCache, build, preset
-from dgemma.testing import load_quiet
+from dgemma.testing import fp32_tolerances, load_quiet
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,10 @@ def test_chunked_encode_equals_one_pass(model):
     h_one = model.encode(ids, one).hidden_states
     chunked = model.new_cache(2, 64)
     parts = [model.encode(ids[:, a:b], chunked).hidden_states for a, b in ((0, 7), (7, 30), (30, 45))]
-    torch.testing.assert_close(torch.cat(parts, 1), h_one, rtol=1e-5, atol=1e-5)
+    logits_tol, state_tol = fp32_tolerances(model)  # the same values through matmuls of other shapes
+    torch.testing.assert_close(torch.cat(parts, 1), h_one, rtol=0, atol=state_tol)
     canvas = torch.randint(0, 512, (2, 8))
-    torch.testing.assert_close(model.denoise(canvas, chunked), model.denoise(canvas, one), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.denoise(canvas, chunked), model.denoise(canvas, one), rtol=0, atol=logits_tol)
     assert chunked.length == one.length == 45
 
 
@@ -33,7 +34,7 @@ def test_multi_turn_reuse_continues_positions(model):
     logits_turn2 = model.encode(b, cache, return_logits=True).logits
     fresh = model.new_cache(1, 40)
     ref = model.encode(torch.cat([a, b], 1), fresh, return_logits=True).logits[:, 10:]
-    torch.testing.assert_close(logits_turn2, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_turn2, ref, rtol=0, atol=fp32_tolerances(model)[0])  # other shapes
     cache.reset()
     assert cache.length == 0
     model.encode(b, cache)
@@ -55,7 +56,7 @@ def test_encode_logits_are_the_ar_head(model):
     ids = torch.randint(3, 512, (1, 5))
     out = model.encode(ids, model.new_cache(1, 8), return_logits=True)
     assert out.logits.dtype == torch.float32 and out.logits.shape == (1, 5, 512)
-    assert torch.equal(out.logits, model.lm_head(out.hidden_states))
+    assert torch.equal(out.logits, model.lm_head(out.hidden_states))  # encode calls the same lm_head
     assert model.encode(ids, model.new_cache(1, 8)).logits is None
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.testing import load_quiet, make_tokenizer
+from dgemma.testing import fp32_logit_tolerance, load_quiet, make_tokenizer
 from dgemma.train.config import TrainConfig
 from dgemma.train.data import DataError, Example, batch_indices, load_jsonl
 from dgemma.train.lora import apply_lora, load_adapter
@@ -121,7 +121,10 @@ def test_canvas_never_sees_itself_clean_or_later_canvases():
     ids[:, batch.canvas_start :] = torch.randint(3, 512, ids[:, batch.canvas_start :].shape)  # the answer and beyond
     cache2 = model.new_cache(3, ids.shape[1], keep_all=True)
     model.encode(ids, cache2, attention_mask=batch.valid)
-    assert torch.equal(before, model.denoise(batch.noisy, cache2.prefix(batch.canvas_start)))
+    # to rounding: the changed tokens after canvas_start reroute the MoE, so the prefix's expert matmuls run
+    # on other row counts (another BLAS path) even though the prefix's values are the same
+    after = model.denoise(batch.noisy, cache2.prefix(batch.canvas_start))
+    torch.testing.assert_close(after, before, rtol=0, atol=fp32_logit_tolerance(model))
     ids[:, batch.canvas_start - 1] = 7  # ...while the clean prefix does matter
     cache3 = model.new_cache(3, ids.shape[1], keep_all=True)
     model.encode(ids, cache3, attention_mask=batch.valid)
@@ -416,10 +419,20 @@ def test_cli_trains_from_scratch_and_generate_loads_it(tmp_path, capsys):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize(("preset", "steps"), [("tiny-dense", 3), ("tiny", 1)])
+def test_two_processes_match_one(tmp_path, preset, steps):
+    """FSDP2 data parallel over two processes trains what one process trains, where that is well defined.
+
+    The all-reduce sums the two half-batch gradients in another order: rounding-level differences. Adam's
+    first steps are about sign(g) * lr, so rounding noise in a near-zero gradient element becomes an
+    lr-sized weight difference; in a dense model such elements barely move the loss, so it stays equal to
+    rounding over several steps. In the MoE, those weights can move a token across a top-k routing tie,
+    and the loss then jumps by ~1e-3 (8.9e-4 by step 3 on an AMD EPYC): only its first loss, computed
+    before any update, is compared.
+    """
     import yaml
 
-    cfg = _config(tmp_path, train={"steps": 3, "save_every": 3, "out_dir": "single"})
+    cfg = _config(tmp_path, model={"preset": preset}, train={"steps": steps, "save_every": steps, "out_dir": "single"})
     single = train(cfg, progress=False)
     data = cfg.to_dict()
     data.pop("lora")
@@ -446,8 +459,10 @@ def test_two_processes_match_one(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     log = [json.loads(line)["loss"] for line in (tmp_path / "double" / "log.jsonl").read_text().splitlines()]
-    assert len(log) == 3
-    torch.testing.assert_close(torch.tensor(log), torch.tensor(single.losses), rtol=1e-5, atol=1e-5)
+    assert len(log) == steps
+    # a loss of ~12 reduced over two half batches in another order: 1e-5 is ~10 fp32 ulps of it, far
+    # below what another batch or other noise draws would change
+    torch.testing.assert_close(torch.tensor(log), torch.tensor(single.losses), rtol=0, atol=1e-5)
 
 
 def test_cli_lora_on_transformers_checkpoint_then_generate_with_adapter(moe_ckpt, tmp_path, capsys):
@@ -488,9 +503,12 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    whole = train(_config(tmp_path, train={"steps": 3, "out_dir": "a"}), progress=False)
-    split = train(_config(tmp_path, train={"steps": 3, "out_dir": "b", "micro_batch_size": 1}), progress=False)
-    # the first loss agrees to rounding; later ones drift a little because Adam amplifies rounding
-    # differences of near-zero gradients (micro-batches pad and sum in another order)
-    assert abs(split.losses[0] - whole.losses[0]) < 1e-5
-    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(whole.losses), rtol=1e-3, atol=1e-3)
+    # The dense preset: micro-batches sum gradients in another order (rounding-level differences), Adam's
+    # first steps are ~sign(g)·lr, and on a MoE a token near a top-k tie then flips experts and the loss jumps
+    # (see test_two_processes_match_one); a dense model's loss is smooth in its weights, so rounding stays rounding.
+    dense = {"preset": "tiny-dense"}
+    whole = train(_config(tmp_path, model=dense, train={"steps": 3, "out_dir": "a"}), progress=False)
+    split = train(
+        _config(tmp_path, model=dense, train={"steps": 3, "out_dir": "b", "micro_batch_size": 1}), progress=False
+    )
+    torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(whole.losses), rtol=1e-5, atol=1e-5)

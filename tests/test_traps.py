@@ -8,7 +8,7 @@ import torch
 from dgemma import build, preset
 from dgemma.config import FULL, SLIDING
 from dgemma.model import Router, embed_scale, rope_inv_freq
-from dgemma.testing import load_quiet
+from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +173,23 @@ def test_self_conditioning_mask_zeroes_the_signal(model):
     _, cache = _encode_hidden(model, _prompt(model, b=2))
     canvas = torch.randint(0, 512, (2, 8))
     sc = torch.randn(2, 8, 512) * 3
-    plain = model.denoise(canvas, cache)
-    masked = model.denoise(canvas, cache, sc, self_conditioning_mask=torch.tensor([True, False]))
-    full = model.denoise(canvas, cache, sc)
-    assert torch.equal(masked[1], plain[1])
-    assert torch.equal(masked[0], full[0])
+    decoder_inputs = []
+    model.self_conditioning.register_forward_hook(lambda m, a, out: _record(decoder_inputs, None, out))
+    try:
+        plain = model.denoise(canvas, cache)
+        masked = model.denoise(canvas, cache, sc, self_conditioning_mask=torch.tensor([True, False]))
+        full = model.denoise(canvas, cache, sc)
+    finally:
+        model.self_conditioning._forward_hooks.clear()
+    # Bit for bit where the code guarantees it: a zeroed signal adds exactly zero, and the block computes
+    # each row on its own.
+    x_plain, x_masked, x_full = decoder_inputs
+    assert torch.equal(x_masked[1], x_plain[1]) and torch.equal(x_masked[0], x_full[0])
+    # The logits only to rounding: the rows share the MoE, whose per-expert matmuls run on other row counts
+    # when the other row's routing changes (another BLAS path on some CPUs).
+    tol = fp32_logit_tolerance(model)
+    torch.testing.assert_close(masked[1], plain[1], rtol=0, atol=tol)
+    torch.testing.assert_close(masked[0], full[0], rtol=0, atol=tol)
     assert not torch.allclose(full[0], plain[0])
 
 
@@ -194,7 +206,10 @@ def test_sliding_canvas_queries_see_last_window(model):
     chunked = model.new_cache(1, 4 * w)
     model.encode(ids[:, : 2 * w], chunked)
     model.encode(ids[:, 2 * w :], chunked)
-    torch.testing.assert_close(chunked.keys[i], cache.keys[i], rtol=0, atol=1e-6)
+    # layer i's keys come from the same embeddings through matmuls over other row counts: equal to rounding
+    keys = cache.keys[i]
+    tol = fp32_tolerance(keys.abs().max().item(), model.text_config.hidden_size, num_layers=i)
+    torch.testing.assert_close(chunked.keys[i], keys, rtol=0, atol=tol)
     torch.testing.assert_close(k[:, :, : w - 1], cache.keys[i][:, :, -(w - 1) :])
 
 
@@ -211,8 +226,13 @@ def test_left_padding_is_invisible(model):
         cache = model.new_cache(2, 64)
         hidden = model.encode(x, cache, attention_mask=mask).hidden_states
         results.append((hidden[mask.bool()], model.denoise(canvas, cache), cache))
-    assert torch.equal(results[0][0], results[1][0])
-    assert torch.equal(results[0][1], results[1][1])
+    # Equal to rounding, not bit for bit: the padded positions are routed to experts too, so the real
+    # tokens' expert matmuls run on other row counts when the filler changes.
+    hidden = results[0][0]
+    text = model.text_config
+    hidden_tol = fp32_tolerance(hidden.abs().max().item(), text.hidden_size, text.num_hidden_layers)
+    torch.testing.assert_close(results[1][0], hidden, rtol=0, atol=hidden_tol)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=fp32_logit_tolerance(model))
     # and the padded row really differs from an unmasked encode of the same tokens
     cache = model.new_cache(2, 64)
     model.encode(ids, cache)

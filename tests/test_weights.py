@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dgemma
-from dgemma.testing import load_quiet
+from dgemma.testing import fp32_tolerance, load_quiet
 
 
 def _copy(src: Path, dst: Path, edit=None) -> Path:
@@ -50,13 +50,21 @@ def test_round_trip_is_bit_exact_and_transformers_reads_it(moe_ckpt, tmp_path):
     dgemma.save(again, tmp_path / "b")
     assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
     assert not list((tmp_path / "a").glob(".*tmp")), "no temporary files are left behind"
-    # transformers loads what dgemma wrote and computes the same logits as the original oracle
+    # transformers loads what dgemma wrote: the same tensors, bit for bit (dgemma keeps no vision tower)...
+    oracle = moe_ckpt[1]
     theirs = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "a").eval()
+    loaded, ref_state = theirs.state_dict(), oracle.state_dict()
+    text = [k for k in ref_state if "vision" not in k]
+    assert len(text) > 100 and all(torch.equal(loaded[k], ref_state[k]) for k in text)
+    # ...and the same logits to rounding: its tensors are memory-mapped, differently aligned buffers on
+    # which MKL may take other kernel paths (it does on an AMD EPYC)
     ids, canvas = torch.randint(3, 512, (1, 9)), torch.randint(0, 512, (1, 8))
     with torch.no_grad():
-        ref = moe_ckpt[1](input_ids=ids, decoder_input_ids=canvas).logits
+        ref = oracle(input_ids=ids, decoder_input_ids=canvas).logits
         out = theirs(input_ids=ids, decoder_input_ids=canvas).logits
-    assert torch.equal(ref, out)
+    text_config = oracle.config.text_config
+    tol = fp32_tolerance(ref.abs().max().item(), text_config.hidden_size, text_config.num_hidden_layers)
+    torch.testing.assert_close(out, ref, rtol=0, atol=tol)
 
 
 def test_sharded_save_and_load(moe_ckpt, tmp_path):
