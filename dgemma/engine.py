@@ -8,9 +8,11 @@ the next step (up to `max_batch` active); beyond that they wait in a bounded que
 refused at once so the server can answer 429. A request that is cancelled (its client went away) or
 runs past its deadline is dropped at the next step; `drain` ends every request (a shutdown).
 
-Each request gets what it would get alone for its seed: fast mode draws from the request's own generator,
-and exact mode (which, like the reference, draws from torch's global generator) runs each of its steps
-with that request's own saved global generator state.
+Each request gets the random draws it would get alone for its seed: fast mode draws from the request's
+own generator, and exact mode (which, like the reference, draws from torch's global generator) runs each
+of its steps with that request's own saved global generator state. Its tokens are the same as alone up to
+the rounding of the batched forward pass (stacked caches of other lengths take other kernels: on random
+weights a last-bit difference can grow over many steps and change a token; tests/test_engine.py).
 
 Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
 which the web layer reads.

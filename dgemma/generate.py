@@ -73,7 +73,9 @@ def _out_of_range(name: str, value) -> str | None:
     if not number or not math.isfinite(value):
         return f"{name} must be a finite number (got {value!r})"
     if value < low or value > high or (open_low and value == low):
-        return f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}] (got {value!r})"
+        shown = f"{low}, {high}" if kind is int else f"{low:g}, {high:g}"
+        what = "an integer" if kind is int else "a number"
+        return f"{name} must be {what} in {'(' if open_low else '['}{shown}] (got {value!r})"
     return None
 
 
@@ -478,7 +480,7 @@ class _Loop:
                     yield from self._early_commit(st, k)
                 if bool(st.done.all()):
                     break
-            for r, (steps, done) in enumerate(zip(st.steps.tolist(), st.done.tolist(), strict=True)):
+            for r, (steps, done) in enumerate(zip(st.steps.tolist(), (st.done | finished_rows).tolist(), strict=True)):
                 self.steps_per_canvas[r].append(steps)  # one device read per canvas, not one per row
                 self.converged_per_canvas[r].append(done)
             final = st.argmax

@@ -177,14 +177,42 @@ def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, caps
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
-def test_integer_and_fp8_matmul_kernels_equal_their_reference(mode):
-    from dgemma.quant.kernels import quantized_matmul, reference_matmul
+@pytest.mark.parametrize("shape", [(48, 64), (64, 64)])  # [out, in]; square: a transposed weight would run
+def test_integer_and_fp8_matmul_kernels_equal_their_reference(mode, shape):
+    """Error bounds derived from the arithmetic, per output element, against fp32 math on the dequantized
+    weights: (1) the kernel against reference_matmul (same quantized activations) differs only by float
+    rounding; (2) against the unquantized activations it is off by at most the activation quantization
+    step times the weights' magnitudes, plus that rounding."""
+    from dgemma.quant.kernels import quantize_rows, quantized_matmul, reference_matmul
 
     torch.manual_seed(0)
-    q = quantize(torch.randn(48, 64), mode)
-    x = torch.randn(3, 5, 64)
-    tol = 1e-5 if mode == "int8" else 2e-2  # int32 accumulation is exact; _scaled_mm returns bf16
-    torch.testing.assert_close(quantized_matmul(x, q), reference_matmul(x, q), rtol=tol, atol=tol)
+    k = shape[1]
+    q = quantize(torch.randn(shape), mode)
+    row_scales = torch.logspace(-3, 2, 15).reshape(3, 5, 1)  # a scale applied to the wrong row shows
+    x = torch.randn(3, 5, k) * row_scales
+    y = quantized_matmul(x, q).double().reshape(15, -1)
+    x2 = x.reshape(15, k)
+    codes, scale = quantize_rows(x2, mode)  # deterministic: the kernel's own activation codes
+    x_hat, w, scale = codes.double() * scale.double(), dequantize(q).double(), scale.double()
+    exact = x_hat @ w.T  # the kernel's computation in exact arithmetic (float64 is exact enough here)
+    # Each fp32 operation rounds by at most u relative; a dot of K products rounds at most K - 1 times in
+    # any summation order (blocking, FMA, threads), plus one rounding each for x_hat, w and the 2 scales
+    u = 2.0**-24
+    rounding = (k + 4) * u * (x_hat.abs() @ w.abs().T)
+    if mode == "fp8":  # _scaled_mm returns bf16: one more rounding of the result, 2^-8 relative
+        rounding = rounding + 2.0**-8 * exact.abs()
+    assert ((y - exact).abs() <= rounding).all(), ((y - exact).abs() / rounding).max()
+    # reference_matmul is the same exact value computed in fp32: its own rounding adds at most as much
+    reference = reference_matmul(x, q).double().reshape(15, -1)
+    assert ((y - reference).abs() <= rounding + (k + 4) * u * (x_hat.abs() @ w.abs().T)).all()
+    # Activation quantization: int8 rounds x / scale to an integer (half a step, scale / 2); fp8 e4m3 keeps
+    # 3 mantissa bits (2^-4 of |x| relative) down to its subnormals, spaced 2^-9 scale (half: 2^-10 scale).
+    # 1e-4 relative covers the fp32 roundings of x / scale and codes * scale (a few u, u = 6e-8).
+    step = (scale / 2).expand(-1, k) if mode == "int8" else torch.maximum(x2.abs().double() / 16, scale / 1024)
+    truth = x2.double() @ w.T  # fp32 activations times the dequantized weights, computed exactly
+    bound = (1 + 1e-4) * (step @ w.abs().T) + rounding
+    ratio = (y - truth).abs() / bound
+    assert ratio.max() <= 1, ratio.max()
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])

@@ -206,16 +206,18 @@ def test_sudoku_cli_missing_model(tmp_path, capsys):
 
 
 def test_shipped_model_solves_easy_puzzles(capsys):
-    """The model inside the package (no download): `dgemma sudoku` with no --model solves easy puzzles."""
+    """The model inside the package (no download): `dgemma sudoku` with no --model solves every easy puzzle
+    with its default solving mode (verified retries: canvases of <= 8 steps, up to 40, until one passes the
+    rule check; docs/sudoku.md: 100% of the easy test puzzles)."""
     assert (sudoku.MODEL_DIR / "model.safetensors").is_file()
-    solved = 0
-    for seed in range(4):
+    for seed in range(4):  # the puzzle is pure Python (the same on every machine), the canvas seeded
         code = main(["sudoku", "--level", "easy", "--seed", str(seed), "--json"])
         out = json.loads(capsys.readouterr().out)
         assert out["clues_kept"] and len(out["solution"]) == 81 and code == (0 if out["solved"] else 1)
         assert out["solved"] == sudoku.is_solution(out["solution"], out["puzzle"])
-        solved += out["solved"]
-    assert solved >= 2  # about 80% of easy puzzles on the validation split
+        # Robust to a CPU whose last-bit differences change the draws: these 4 puzzles failed 1 of 400 single
+        # canvases (100 canvas seeds each, <= 8 steps), so all 40 canvases failing has odds near 0.01^40
+        assert out["solved"], f"easy puzzle of seed {seed} not solved in {out['attempts']} canvases"
 
 
 def test_chat_records_round_trip():

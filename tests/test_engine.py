@@ -1,0 +1,139 @@
+"""The batching engine against `dgemma.generate`: requests denoised together get what each gets alone.
+
+The engine drives each request's own canvas loop and batches only the model calls (caches of different
+lengths stacked, prefixes left-padded and masked). A request's logits then differ from its solo run by
+rounding, not bits (up to 5e-6 on the first step here), so its token ids can differ only where a draw,
+an acceptance or the stop rule sits on a rounding boundary. Token ids equal is what is asserted: it is the
+feature, and it holds with margin for canvases of a few steps: none of 480 requests differed (120 batches
+of `requests(seed)`, seeds 0-119, on this tiny MoE and on a dense one). Longer canvases would not do on
+random weights: self-conditioning feeds each step's logits into the next, and on such a model the
+difference grows (x1.6 per step on the dense one, 4e-6 -> 0.7 in 20 steps; a routing flip on the MoE
+one), so with one 48-step request per batch 19 of 480 (MoE) and 120 of 480 (dense) requests differed.
+
+Fast mode gives each request its own torch.Generator, so its draws are its own whatever else is in the
+batch. Exact mode draws from the global generator (as transformers' `generate` does): see the last test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dgemma.engine import Engine, EngineRequest, RequestTimeout
+from dgemma.generate import DoneEvent, DraftEvent, generate
+from dgemma.testing import load_quiet
+
+WAIT = 120  # seconds to wait for an event: a generous bound for a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model(moe_ckpt):
+    return load_quiet(moe_ckpt[0], dtype="fp32")
+
+
+@pytest.fixture()
+def engine(model):
+    engine = Engine(model, max_batch=8)
+    yield engine
+    engine.close()
+
+
+def requests(seed: int) -> list[tuple[list[int], dict]]:
+    """Four fast-mode requests with mixed prompt lengths (one beyond the sliding window of 16), lengths,
+    step counts, temperatures, samplers and stop tokens, so that they leave the batch at different steps."""
+    g = torch.Generator().manual_seed(seed)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(3, 512, (n,), generator=g).tolist()
+
+    return [
+        (prompt(3), dict(seed=4 * seed, max_new_tokens=8, max_denoising_steps=4)),
+        (prompt(21), dict(seed=4 * seed + 1, max_new_tokens=19, max_denoising_steps=5, t_min=0.3, t_max=1.0)),
+        # one token in 9 stops the row: it ends in its first or second canvas, or runs to its length
+        (
+            prompt(9),
+            dict(seed=4 * seed + 2, max_new_tokens=16, max_denoising_steps=3, stop_token_ids=list(range(3, 60))),
+        ),
+        (
+            prompt(5),
+            dict(
+                seed=4 * seed + 3,
+                max_new_tokens=12,
+                max_denoising_steps=6,
+                sampler="confidence",
+                confidence=0.2,
+                early_commit=True,
+            ),
+        ),
+    ]
+
+
+def collect(request: EngineRequest):
+    """The request's GenerationResult, or the exception it ended with (other events are passed over)."""
+    while True:
+        event = request.events.get(timeout=WAIT)
+        if isinstance(event, DoneEvent):
+            return event.result
+        if isinstance(event, Exception):
+            return event
+
+
+def solo(model, prompt, params):
+    result = generate(model, prompt, **params)
+    return result.tokens[0], result.finish_reasons[0]
+
+
+def test_batched_requests_get_the_tokens_they_get_alone(model, engine):
+    cases = requests(seed=0)
+    alone = [solo(model, prompt, params) for prompt, params in cases]
+    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+    batched = [collect(r) for r in submitted]
+    assert [(r.tokens[0], r.finish_reasons[0]) for r in batched] == alone
+    assert engine.stats.row_steps > engine.stats.denoising_steps  # they did share forward passes
+    assert {reason for _, reason in alone} == {"stop", "length"}  # and left the batch at different points
+
+
+def test_a_cancelled_and_a_timed_out_request_leave_the_others_unchanged(model, engine):
+    cases = requests(seed=1)
+    alone = [solo(model, prompt, params) for prompt, params in cases]
+    long = dict(seed=99, max_new_tokens=160, max_denoising_steps=8)  # far longer than the others
+    doomed = [EngineRequest([7, 8, 9], dict(long), want_drafts=True) for _ in range(2)]
+    for request in doomed:
+        engine.submit(request)
+    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+    for request in doomed:  # both have taken part in a batched step before they go
+        assert isinstance(request.events.get(timeout=WAIT), DraftEvent)
+    doomed[0].cancel()
+    doomed[1].timeout = 0.0  # past its deadline at the next step
+    assert [(r.tokens[0], r.finish_reasons[0]) for r in (collect(r) for r in submitted)] == alone
+    assert isinstance(collect(doomed[1]), RequestTimeout)
+    deadline = time.monotonic() + WAIT
+    while engine.active and time.monotonic() < deadline:  # the cancelled one is dropped at a step
+        time.sleep(0.01)
+    assert engine.active == 0 and engine.stats.requests_cancelled == 1
+    left = []
+    while not doomed[0].events.empty():
+        left.append(doomed[0].events.get_nowait())
+    assert all(isinstance(e, DraftEvent) for e in left)  # dropped: no result, no error
+
+
+def test_exact_requests_batched_together_get_their_solo_tokens(model, engine):
+    """Exact mode draws from the global generator, seeded when its loop starts (as transformers' `generate`
+    does). In one engine thread, two exact requests would reseed and share that stream, and a seedless
+    fast request draws from it too; the engine keeps one generator state per exact request and swaps it in
+    around the request's own work, so each sees the draws it sees alone. Exact mode draws at every position
+    each step, so a rounding-flipped acceptance would not shift its draws either."""
+    exact = [
+        ([5, 6, 7, 8], dict(mode="exact", seed=3, max_new_tokens=20, max_denoising_steps=5)),
+        (list(range(20, 41)), dict(mode="exact", seed=4, max_new_tokens=16, max_denoising_steps=4, t_max=1.0)),
+    ]
+    seeded, seedless = requests(seed=2)[:2]
+    cases = [*exact, seeded]
+    alone = [solo(model, prompt, params) for prompt, params in cases]
+    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+    other = engine.submit(EngineRequest(seedless[0], {**seedless[1], "seed": None}))
+    assert [(r.tokens[0], r.finish_reasons[0]) for r in (collect(r) for r in submitted)] == alone
+    assert not isinstance(collect(other), Exception)
+    assert engine.stats.row_steps > engine.stats.denoising_steps
