@@ -49,8 +49,10 @@ def main() -> None:
         # every candidate in one batch, and the denoiser's pick
         r = dgemma.infill(model, prompt, suffix, middle_length="auto", length_score="denoiser", seed=0)
         lengths = list(r.scores)
-        fills = [r.result.tokens[i][:n] for i, n in enumerate(lengths)]
-        suffixed = [f + suffix[: editing.SCORED_SUFFIX] for f in fills]
+        # each candidate as infill scores it: cut at its first end-of-text, then the suffix and the end
+        fills = [editing.cut_at_end(model, r.result.tokens[i][:n]) for i, n in enumerate(lengths)]
+        after = suffix + editing.end_of_text_ids(model)[:1]
+        suffixed = [f + after[: editing.SCORED_SUFFIX] for f in fills]
         enc = editing.continuation_logprobs(model, prompt, suffixed)
         picks = {
             "denoiser": lengths.index(r.middle_length),
