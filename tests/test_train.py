@@ -512,3 +512,9 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         _config(tmp_path, model=dense, train={"steps": 3, "out_dir": "b", "micro_batch_size": 1}), progress=False
     )
     torch.testing.assert_close(torch.tensor(split.losses), torch.tensor(whole.losses), rtol=1e-5, atol=1e-5)
+
+
+def test_a_misspelt_model_override_is_refused(tmp_path):
+    cfg = _config(tmp_path, model={"preset": "tiny", "overrides": {"hiden_size": 32}})
+    with pytest.raises(ValueError, match="'hiden_size' is not a text_config field; did you mean 'hidden_size'"):
+        train(cfg, progress=False)

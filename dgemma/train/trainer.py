@@ -14,6 +14,7 @@ exactly the losses the uninterrupted run would have. Under `torchrun`, the model
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -76,11 +77,13 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma
         config = preset(cfg.model.preset)
         if cfg.model.overrides:
             text = config.text_config.to_dict()
+            _check_overrides(cfg.model.overrides, text)
             text.update(cfg.model.overrides)
             text.pop("per_layer_config", None)
             if "num_hidden_layers" in cfg.model.overrides and "layer_types" not in cfg.model.overrides:
                 text.pop("layer_types", None)  # the default pattern for the new depth
-            config = DiffusionGemmaConfig.from_dict({**config.to_dict(), "text_config": text})
+            source = f"{cfg.model.preset!r} preset with the recipe's model.overrides"
+            config = DiffusionGemmaConfig.from_dict({**config.to_dict(), "text_config": text}, source=source)
         if cfg.model.canvas_length is not None:
             config.canvas_length = cfg.model.canvas_length
         model = build(config, device=device, dtype=dtype, seed=cfg.model.init_seed)
@@ -90,6 +93,15 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma
             f"{model.text_config.vocab_size}"
         )
     return model, tokenizer
+
+
+def _check_overrides(overrides: dict, text: dict) -> None:
+    """A recipe's model.overrides may only name text_config fields (a misspelt one would be ignored)."""
+    for key in overrides:
+        if key not in text:
+            close = difflib.get_close_matches(key, list(text), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else " (see dgemma info --preset NAME for the fields)"
+            raise ValueError(f"model.overrides: {key!r} is not a text_config field{hint}")
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:
