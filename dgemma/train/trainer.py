@@ -14,6 +14,7 @@ exactly the losses the uninterrupted run would have. Under `torchrun`, the model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import math
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import DiffusionGemmaConfig, preset
+from ..config import DiffusionGemmaConfig, TextConfig, preset
 from ..model import DiffusionGemma, build
 from ..tokenizer import Tokenizer
 from ..weights import load, resolve_dtype, save
@@ -97,9 +98,10 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma
 
 def _check_overrides(overrides: dict, text: dict) -> None:
     """A recipe's model.overrides may only name text_config fields (a misspelt one would be ignored)."""
+    known = set(text) | {f.name for f in dataclasses.fields(TextConfig)}  # to_dict folds some fields
     for key in overrides:
-        if key not in text:
-            close = difflib.get_close_matches(key, list(text), n=1)
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else " (see dgemma info --preset NAME for the fields)"
             raise ValueError(f"model.overrides: {key!r} is not a text_config field{hint}")
 
