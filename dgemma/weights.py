@@ -128,6 +128,12 @@ class _TensorSource:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.where[name]].get_tensor(name)
 
+    def take(self, name: str) -> torch.Tensor:
+        """The tensor through a mapping of its own, released (with the pages read through it) as soon as
+        the tensor is, not when the checkpoint is closed."""
+        with safe_open(str(self.where[name]), framework="pt", device="cpu") as h:
+            return h.get_tensor(name)
+
 
 def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], list[str], list[str]]:
     """Split checkpoint names into: ours <- primary HF name; tied copies (HF name -> ours); vision; unknown."""
@@ -237,7 +243,9 @@ def load(
     report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     for ours, hf in primary.items():
         if ours in held and not stored:  # quantize on load
-            tensor = source.get(hf)
+            # through a mapping of its own: the bf16 pages read are released with the tensor, instead of
+            # staying resident until every view of the checkpoint's mapping (the model's norms) is gone
+            tensor = source.take(hf)
             state[ours], state[ours + "_scale"] = (t.to(device) for t in quantize_matrices(tensor, mode, group_size))
             nbytes = tensor.nbytes
             del tensor
