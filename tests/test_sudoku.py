@@ -136,7 +136,12 @@ def test_self_verified_restarts_follow_the_stop_rule(tiny_sudoku_model):
     whether or not the grid is valid; the rule check plays no part."""
     model, tok = sudoku.load_model(tiny_sudoku_model)
     never = {"max_denoising_steps": 2, "confidence_threshold": 1e-12, "seed": 0}  # an untrained model never settles
-    at_once = {"max_denoising_steps": 2, "confidence_threshold": 1e9, "stability_threshold": 0, "seed": 0}
+    at_once = {
+        "max_denoising_steps": 2,
+        "confidence_threshold": 100.0,
+        "stability_threshold": 0,
+        "seed": 0,
+    }  # the top of its range: any mean entropy (<= log V) is below it
     out = sudoku.solve_batch(model, tok, [PUZZLE], attempts=3, retry_on="unsettled", **never)[0]
     assert (out.attempts, out.steps, out.settled) == (3, 6, False)
     assert out.result.stats.converged_per_canvas == [[False]]
@@ -171,10 +176,10 @@ def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     attempts = sudoku.SOLVER_DEFAULTS["unsettled"]["attempts"]
     assert (out["attempts"], out["steps"], out["settled"]) == (attempts, 2 * attempts, False)
-    main([*args, PUZZLE, "--attempts", "3", "--retry-on", "unsettled", "--stop-entropy", "1e9", "--json"])
+    main([*args, PUZZLE, "--attempts", "3", "--retry-on", "unsettled", "--stop-entropy", "100", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["attempts"] == (1 if out["settled"] else 3) and not out["solved"]
-    main([*args, PUZZLE, "--attempts", "2", "--retry-on", "invalid", "--stop-entropy", "1e9", "--json"])
+    main([*args, PUZZLE, "--attempts", "2", "--retry-on", "invalid", "--stop-entropy", "100", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["attempts"] == (1 if out["solved"] else 2) and out["steps"] <= 4  # the rule check retries it
     main([*args, PUZZLE, "--attempts", "2", "--show-canvas"])
@@ -184,7 +189,7 @@ def test_sudoku_cli(tiny_sudoku_model, capsys, tmp_path):
     assert main([*args, PUZZLE, "--one-canvas", "--attempts", "4"]) == 2
     assert "--one-canvas denoises a single canvas" in capsys.readouterr().err
     assert main([*args, PUZZLE, "--stop-entropy", "0"]) == 2
-    assert "confidence_threshold must be > 0" in capsys.readouterr().err
+    assert "confidence_threshold must be a number in (0, 100]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
