@@ -397,3 +397,16 @@ def test_max_context_bounds_each_requests_cache(app_factory):
         assert _post(live.url, "/v1/completions", {"prompt": [5] * 40, "max_tokens": 24, **FAST}).is_success
         err = _error(_post(live.url, "/v1/completions", {"prompt": [5] * 40, "max_tokens": 25}), 400, "max_tokens")
         assert "at most 24 tokens" in err["message"] and "--max-context" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": _user(), "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"messages": _user(), "include_drafts": True}, "include_drafts"),
+        ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": ["a", "b"], "suffix": "c"}, "suffix"),
+    ],
+)
+def test_fields_that_only_apply_with_others_are_400s_not_ignored(server, path, body, param):
+    _error(_post(server.url, path, body), 400, param)

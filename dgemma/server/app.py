@@ -145,7 +145,7 @@ def _validation_message(errors: list) -> ApiError:
         return ApiError(400, "the request body is not valid JSON")
     # field names and list indices; not "body", nor pydantic's names of union members ("function-after[...]")
     loc = [str(x) for x in first.get("loc", []) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
-    param = ".".join(loc) or None
+    param = ".".join(loc) or (first.get("ctx") or {}).get("name")  # a whole-request check names its field
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         message = "this server does not know this field (see docs/server.md for the fields it takes)"

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..generate import SETTING_RANGES, SamplingParams
 
@@ -203,6 +204,13 @@ class DiffusionSettings(BaseModel):
         shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
         raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
 
+    @model_validator(mode="after")
+    def _streaming_only(self):
+        for name in ("stream_options", "include_drafts"):
+            if getattr(self, name) and not self.stream:
+                raise PydanticCustomError("stream_only", "{name}: only applies with stream: true", {"name": name})
+        return self
+
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The SamplingParams this request asks for (validated later, with the model's defaults)."""
         passed = (f.name for f in dataclasses.fields(SamplingParams) if f.name in _PASSED_THROUGH)
@@ -267,9 +275,11 @@ class CompletionRequest(DiffusionSettings):
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of equal to n (or leaving it out) is supported")
+            raise PydanticCustomError(
+                "best_of", "best_of: only best_of equal to n (or leaving it out) is supported", {"name": "best_of"}
+            )
         if self.suffix is not None and len(self.prompt) > 1:
-            raise ValueError("suffix: infilling takes one prompt")
+            raise PydanticCustomError("suffix", "suffix: infilling takes one prompt", {"name": "suffix"})
         return self
 
 
