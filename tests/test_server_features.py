@@ -107,6 +107,14 @@ def test_infilling_returns_the_middle_and_streams(server, client):
         timeout=60,
     ).json()
     assert raw["dgemma"]["middle_length"] < 8 and raw["usage"]["completion_tokens"] <= raw["dgemma"]["middle_length"]
+    # a long suffix keeps half of the canvas of 8: the middle still sees it
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "a", "suffix": "b = c\n" * 20, "max_tokens": 256, **FAST},
+        headers=AUTH,
+        timeout=60,
+    ).json()
+    assert raw["dgemma"]["middle_length"] == 4
 
 
 def test_too_long_prompts_name_the_right_field(server, model_dir):

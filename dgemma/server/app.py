@@ -409,13 +409,16 @@ async def _completion_prompts(served: _Served, body: CompletionRequest) -> list[
 
 async def _infill_pins(served: _Served, body: CompletionRequest, prompt_len: int):
     """For `suffix`: the pinned canvas [middle | suffix | end-of-text], and the middle's length. The
-    middle is max_tokens long, at most what one canvas holds beside some of the suffix (said in the
-    answer's `dgemma.middle_length` when it is shorter than asked)."""
+    middle is max_tokens long (16 by default), clamped so that it still sees the suffix: the canvas keeps
+    room for the suffix and its end, up to half the canvas (said in the answer's `dgemma.middle_length`).
+    A middle that needs fewer tokens ends at its first end-of-text token."""
     import torch
 
     _check_chars(served, len(body.suffix), "suffix")
     suffix = await _tokenize(served, served.tokenizer.encode, body.suffix, param="suffix", add_special_tokens=False)
-    middle = min(body.max_tokens or 16, max_middle_length(served.model))
+    canvas = served.canvas
+    longest = min(max_middle_length(served.model), canvas - min(len(suffix) + 1, canvas // 2))
+    middle = min(body.max_tokens or 16, max(longest, 1))
     template = infill_template(served.model, suffix, middle)
     _budget(served, len(template), prompt_len, "max_tokens", "prompt")
     return torch.tensor([[-1 if t is None else t for t in template]]), middle
