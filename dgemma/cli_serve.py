@@ -97,7 +97,12 @@ def register(sub) -> None:
     )
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests denoised together (default 8)")
     s.add_argument("--max-queue", type=non_negative_int, default=64, help="requests waiting before 429 (default 64)")
-    s.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds before a request is dropped with a 504 (default 600)")
+    s.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds before a request is dropped with a 504 (default 600)",
+    )
     s.add_argument(
         "--max-context",
         type=positive_int,
@@ -106,11 +111,22 @@ def register(sub) -> None:
         "(default: the model's context, at most 32768)",
     )
     s.add_argument(
-        "--max-body-bytes", type=positive_int, default=Limits.max_body_bytes, help=f"largest request body in bytes, 413 above (default {Limits.max_body_bytes})"
+        "--max-body-bytes",
+        type=positive_int,
+        default=Limits.max_body_bytes,
+        help=f"largest request body in bytes, 413 above (default {Limits.max_body_bytes})",
     )
-    s.add_argument("--body-timeout", type=_positive_float, default=Limits.body_timeout, help=f"seconds a client has to send a body, 408 after (default {Limits.body_timeout:g})")
     s.add_argument(
-        "--header-timeout", type=_positive_float, default=Limits.header_timeout, help=f"seconds a client has to send its headers (default {Limits.header_timeout:g})"
+        "--body-timeout",
+        type=_positive_float,
+        default=Limits.body_timeout,
+        help=f"seconds a client has to send a body, 408 after (default {Limits.body_timeout:g})",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=Limits.header_timeout,
+        help=f"seconds a client has to send its headers (default {Limits.header_timeout:g})",
     )
     s.add_argument(
         "--shutdown-timeout",
