@@ -197,10 +197,6 @@ class TextConfig:
         """False for dense-only configs (no router, no experts)."""
         return bool(self.num_experts)
 
-    @property
-    def embed_scale(self) -> float:
-        return self.hidden_size**0.5
-
     def layer(self, i: int) -> LayerSpec:
         """The resolved per-layer values of layer `i`."""
         layer_type = self.layer_types[i]

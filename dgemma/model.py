@@ -347,14 +347,8 @@ class DiffusionGemma(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T], 0 marks (left) padding
         *,
         return_logits: bool = False,
-        images: object | None = None,
     ) -> EncodeOutput:
         """Causal pass over new tokens at positions cache.length ...; appends their keys/values to `cache`."""
-        if images is not None:
-            raise ValueError(
-                "image input is not supported: dgemma runs DiffusionGemma's text model only "
-                "(the vision tower is not implemented)"
-            )
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
                 f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})"
@@ -448,17 +442,6 @@ class DiffusionGemma(nn.Module):
         for layer in self.layers:
             layer.layer_scalar.fill_(1.0)
             layer.encoder_layer_scalar.fill_(1.0)
-
-    def num_parameters(self) -> dict[str, int]:
-        """Total and per-token active parameter counts, read off the built modules (works on meta)."""
-        total = sum(p.numel() for p in self.parameters())
-        inactive = 0
-        t = self.text_config
-        if t.has_experts:
-            for layer in self.layers:
-                per_expert = (layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel()) // t.num_experts
-                inactive += (t.num_experts - t.top_k_experts) * per_expert
-        return {"total": total, "active": total - inactive}
 
 
 def build(

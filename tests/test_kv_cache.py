@@ -71,8 +71,6 @@ def test_errors_are_clear():
         m.encode(torch.tensor([[1.0]]), cache)
     with pytest.raises(ValueError, match="shape"):
         m.encode(torch.ones(4, dtype=torch.long), cache)
-    with pytest.raises(ValueError, match="image input is not supported"):
-        m.encode(torch.ones(1, 2, dtype=torch.long), cache, images=[object()])
     with pytest.raises(ValueError, match="attention_mask must have shape"):
         m.encode(torch.ones(1, 2, dtype=torch.long), cache, attention_mask=torch.ones(1, 3))
     with pytest.raises(ValueError, match="must be positive"):
