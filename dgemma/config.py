@@ -488,19 +488,10 @@ class GenerationConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        errors = []
-        for name in ("max_new_tokens", "max_denoising_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                errors.append(f"{name} must be a positive integer (got {v!r})")
-        if not self.entropy_bound > 0:
-            errors.append(f"entropy_bound must be > 0 (got {self.entropy_bound})")
-        if not 0 <= self.t_min < self.t_max:
-            errors.append(f"need 0 <= t_min < t_max (got t_min={self.t_min}, t_max={self.t_max})")
-        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            errors.append(f"stability_threshold must be an integer >= 0 (got {self.stability_threshold!r})")
-        if not self.confidence_threshold > 0:
-            errors.append(f"confidence_threshold must be > 0 (got {self.confidence_threshold})")
+        # the same rules as every generate call's (dgemma.settings), so a config that loads also generates
+        from .settings import validate
+
+        errors = validate({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if errors:
             raise ValueError("invalid generation config: " + "; ".join(errors))
 

@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import GenerationConfig
 from .kv_cache import KVCache
 from .model import DiffusionGemma
 from .sampling import (
-    SAMPLERS,
     StableAndConfident,
     entropy_reference,
     fast_transition,
@@ -38,111 +36,7 @@ from .sampling import (
     reference_transition,
     temperature,
 )
-
-MODES = ("fast", "exact")
-
-
-# The finite range of every numeric setting, checked for every caller (library, CLI, server) by
-# SamplingParams.resolve: (kind, low, high, low_is_open). The bounds that size buffers are what matters
-# (stability_threshold sizes a [threshold, B, C] history; steps and lengths size loops and caches); the
-# others keep values finite and meaningful (a per-position entropy is at most log V, ~12.5 for 262k).
-SETTING_RANGES: dict[str, tuple[type, float, float, bool]] = {
-    "max_new_tokens": (int, 1, 2**20, False),
-    "max_denoising_steps": (int, 1, 1024, False),
-    "entropy_bound": (float, 0.0, 1e4, True),
-    "t_min": (float, 0.0, 10.0, True),
-    "t_max": (float, 0.0, 10.0, True),
-    "stability_threshold": (int, 0, 1024, False),
-    "confidence_threshold": (float, 0.0, 100.0, True),
-    "confidence": (float, 0.0, 1.0, True),
-    "tokens_per_step": (int, 1, 4096, False),
-    "seed": (int, 0, 2**63 - 1, False),
-    "early_commit_steps": (int, 1, 1024, False),
-    "early_commit_entropy": (float, 0.0, 100.0, True),
-}
-
-
-def _out_of_range(name: str, value) -> str | None:
-    """Why `value` is not a valid `name` (see SETTING_RANGES), or None; seed may be None."""
-    kind, low, high, open_low = SETTING_RANGES[name]
-    if value is None and name == "seed":
-        return None
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if kind is int and not (number and float(value).is_integer()):
-        return f"{name} must be an integer (got {value!r})"
-    if not number or not math.isfinite(value):
-        return f"{name} must be a finite number (got {value!r})"
-    if value < low or value > high or (open_low and value == low):
-        shown = f"{low}, {high}" if kind is int else f"{low:g}, {high:g}"
-        what = "an integer" if kind is int else "a number"
-        return f"{name} must be {what} in {'(' if open_low else '['}{shown}] (got {value!r})"
-    return None
-
-
-@dataclass
-class SamplingParams:
-    """How to generate. Fields left None take the checkpoint's generation_config.json (or the reference
-    defaults: 48 steps, entropy bound 0.1, temperature 0.8 -> 0.4, stop when stable for 1 step and mean
-    entropy < 0.005, 256 new tokens)."""
-
-    max_new_tokens: int | None = None
-    max_denoising_steps: int | None = None
-    entropy_bound: float | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    stop_token_ids: list[int] | None = None  # default: the generation config's eos_token_id
-    sampler: str = "entropy-bound"  # or "confidence", "fixed" (see sampling.py)
-    confidence: float = 0.9  # threshold of the "confidence" sampler
-    tokens_per_step: int = 16  # of the "fixed" sampler
-    mode: str = "fast"  # or "exact"
-    seed: int | None = None
-    early_commit: bool = False  # stream (and freeze) a canvas's leading tokens once they settle
-    early_commit_steps: int = 3  # ... after this many steps with the same argmax
-    early_commit_entropy: float = 0.1  # ... and an entropy below this at each of them
-
-    def resolve(self, defaults: GenerationConfig, eos_fallback: list[int]) -> SamplingParams:
-        """A copy with every None filled in from `defaults`, validated (ValueError names what is wrong)."""
-        p = dataclasses.replace(self)
-        for name in (
-            "max_new_tokens",
-            "max_denoising_steps",
-            "entropy_bound",
-            "t_min",
-            "t_max",
-            "stability_threshold",
-            "confidence_threshold",
-        ):
-            if getattr(p, name) is None:
-                setattr(p, name, getattr(defaults, name))
-        if p.stop_token_ids is None:
-            eos = defaults.eos_token_id
-            p.stop_token_ids = eos_fallback if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        errors = [_out_of_range(name, getattr(p, name)) for name in SETTING_RANGES]
-        errors = [e for e in errors if e]
-        if not errors and not p.t_min < p.t_max:
-            errors.append(f"need t_min < t_max (got t_min={p.t_min}, t_max={p.t_max})")
-        if p.mode not in MODES:
-            errors.append(f"mode must be one of {MODES} (got {p.mode!r})")
-        if p.sampler not in SAMPLERS:
-            errors.append(f"sampler must be one of {sorted(SAMPLERS)} (got {p.sampler!r})")
-        if p.mode == "exact" and (p.sampler != "entropy-bound" or p.early_commit):
-            errors.append(
-                "mode 'exact' reproduces transformers' generate: it has the entropy-bound sampler only "
-                "and no early commit"
-            )
-        if errors:
-            raise ValueError("invalid sampling parameters: " + "; ".join(errors))
-        return p
-
-    def make_sampler(self):
-        if self.sampler == "entropy-bound":
-            return SAMPLERS[self.sampler](self.entropy_bound)
-        if self.sampler == "confidence":
-            return SAMPLERS[self.sampler](self.confidence)
-        return SAMPLERS[self.sampler](self.tokens_per_step)
-
+from .settings import MODES, SamplingParams  # noqa: F401 (the settings live in settings.py; both are public here too)
 
 # ------------------------------------------------------------------------------------------------
 # What the loop reports

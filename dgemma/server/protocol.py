@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..generate import SETTING_RANGES, SamplingParams
+from ..settings import SETTINGS, SamplingParams
 
 MAX_N = 8  # choices per request (each one is a row of the engine's batch)
 MAX_MESSAGES = 2048
@@ -24,7 +24,6 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
-MAX_MAX_TOKENS = SETTING_RANGES["max_new_tokens"][2]
 
 
 class ApiError(Exception):
@@ -80,11 +79,11 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
 
 
-def _setting(name: str, **extra: Any) -> Any:
-    """A request field for a SamplingParams setting, with the range the library itself enforces."""
-    _, low, high, open_low = SETTING_RANGES[name]
-    bounds = {"gt": low} if open_low else {"ge": low}
-    return Field(default=None, le=high, **bounds, **extra)
+def setting_field(name: str) -> Any:
+    """A request field for a SamplingParams setting: its range and help, from dgemma.settings."""
+    meta = SETTINGS[name]
+    bounds = {"gt": meta["low"]} if meta["open_low"] else {"ge": meta["low"]}
+    return Field(default=None, le=meta["high"], description=meta["help"], **bounds)
 
 
 # OpenAI fields with no counterpart in a diffusion model: the values that mean "off" are accepted
@@ -154,27 +153,27 @@ class DiffusionSettings(BaseModel):
     """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
 
     model: Text | None = Field(default=None, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_MAX_TOKENS)
+    max_tokens: int | None = setting_field("max_new_tokens")  # OpenAI's name for it
     stop: Any = None  # a string or a list of them
-    seed: int | None = _setting("seed")
+    seed: int | None = setting_field("seed")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=4)
     user: Text | None = Field(default=None, max_length=256)  # an end-user id for the operator's logs
-    max_denoising_steps: int | None = _setting("max_denoising_steps")
-    entropy_bound: float | None = _setting("entropy_bound")
-    t_min: float | None = _setting("t_min")
-    t_max: float | None = _setting("t_max")
-    stability_threshold: int | None = _setting("stability_threshold")
-    confidence_threshold: float | None = _setting("confidence_threshold")
+    max_denoising_steps: int | None = setting_field("max_denoising_steps")
+    entropy_bound: float | None = setting_field("entropy_bound")
+    t_min: float | None = setting_field("t_min")
+    t_max: float | None = setting_field("t_max")
+    stability_threshold: int | None = setting_field("stability_threshold")
+    confidence_threshold: float | None = setting_field("confidence_threshold")
     sampler: Literal["entropy-bound", "confidence", "fixed"] | None = None
-    confidence: float | None = _setting("confidence")  # the "confidence" sampler's threshold
-    tokens_per_step: int | None = _setting("tokens_per_step")  # the "fixed" sampler's count
+    confidence: float | None = setting_field("confidence")  # the "confidence" sampler's threshold
+    tokens_per_step: int | None = setting_field("tokens_per_step")  # the "fixed" sampler's count
     mode: Literal["fast", "exact"] | None = None
     early_commit: bool | None = None  # default: on when streaming
-    early_commit_steps: int | None = _setting("early_commit_steps")
-    early_commit_entropy: float | None = _setting("early_commit_entropy")
+    early_commit_steps: int | None = setting_field("early_commit_steps")
+    early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-text tokens
     # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
@@ -232,7 +231,7 @@ _PASSED_THROUGH = frozenset(DiffusionSettings.model_fields) - {"seed", "max_new_
 
 class ChatCompletionRequest(DiffusionSettings):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_MAX_TOKENS)
+    max_completion_tokens: int | None = setting_field("max_new_tokens")
     reasoning: bool = False  # turn on thinking (the chat template's enable_thinking)
     tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none"] | None = None
