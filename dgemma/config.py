@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .settings import validate
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 _LAYER_TYPES = (SLIDING, FULL)
@@ -489,8 +491,6 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         # the same rules as every generate call's (dgemma.settings), so a config that loads also generates
-        from .settings import validate
-
         errors = validate({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if errors:
             raise ValueError("invalid generation config: " + "; ".join(errors))
