@@ -456,7 +456,7 @@ def _kv_read_bytes(cache) -> int:
     """Bytes of cached keys and values a forward after the current contents reads."""
     total = 0
     for i, sliding in enumerate(cache.is_sliding):
-        n = cache._num_cached(sliding)
+        n = cache.num_cached(sliding)
         k = cache.keys[i]
         total += 2 * k.shape[0] * k.shape[1] * n * k.shape[3] * k.element_size()
     return total

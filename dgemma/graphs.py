@@ -41,7 +41,7 @@ class StaticCacheView:
 
     def prepare_denoise(self, batch_size: int, canvas_length: int):
         cache = self.cache
-        cache._check_batch(batch_size)
+        cache.check_batch(batch_size)
         device = cache.device
         offsets = torch.arange(canvas_length, device=device)
         positions = self.length + offsets  # [C]
@@ -110,7 +110,7 @@ class GraphedDenoise:
     def _serves(self, cache, canvas_ids, logits, mask) -> bool:
         return (
             type(cache) is KVCache
-            and cache._rows is None
+            and cache.row_index is None
             and not cache.keep_all
             and logits is None
             and mask is None

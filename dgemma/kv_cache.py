@@ -19,10 +19,30 @@ a denoising pass exactly the keys an earlier point of the sequence had (the wind
 from __future__ import annotations
 
 import copy
+from typing import Protocol
 
 import torch
 
 from .config import FULL, SLIDING, TextConfig
+
+
+class DenoiseCache(Protocol):
+    """What `DiffusionGemma.denoise` reads from a cache. KVCache, its `rows` / `prefix` views and StackedCache
+    all have it; nothing outside this module reads a cache's private state."""
+
+    batch_size: int
+    is_sliding: list[bool]  # per layer
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def prepare_denoise(self, batch_size: int, canvas_length: int) -> tuple[torch.Tensor, dict]:
+        """Canvas positions [B, C] and the attention mask per layer type (None: nothing to hide)."""
+        ...
+
+    def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's cached keys and values with the canvas's `k`, `v` after them."""
+        ...
 
 
 class KVCache:
@@ -58,7 +78,7 @@ class KVCache:
             self.is_sliding.append(spec.is_sliding)
         self._pending = 0  # tokens of the encode call in progress
         self.has_padding = False  # whether any written position is padding (decides if denoise needs masks)
-        self._rows: torch.Tensor | None = None  # set on read-only row views (see rows())
+        self.row_index: torch.Tensor | None = None  # set on read-only row views (see rows())
         self._read_only = False  # row and prefix views
         self._denoise_memo: tuple | None = None  # (key, result) of prepare_denoise while the cache is unchanged
 
@@ -79,8 +99,8 @@ class KVCache:
     def rows(self, index: torch.Tensor) -> KVCache:
         """A read-only view of some rows (for denoising part of a batch); the buffers are shared, not copied."""
         view = copy.copy(self)
-        base = self._rows
-        view._rows = index if base is None else base[index]
+        base = self.row_index
+        view.row_index = index if base is None else base[index]
         view._read_only = True
         view.batch_size = int(index.numel())
         view.valid = self.valid[index]
@@ -100,23 +120,26 @@ class KVCache:
         view._read_only = True
         return view
 
-    def _check_batch(self, batch_size: int) -> None:
+    def check_batch(self, batch_size: int) -> None:
+        """A ValueError unless a call's batch has this cache's number of rows."""
         if batch_size != self.batch_size:
             raise ValueError(f"batch of {batch_size} rows, but the KV cache was made for {self.batch_size}")
 
     # -- positions and masks, built once per call and shared by all layers of a type ------------------
-    def _num_cached(self, layer_sliding: bool) -> int:
+    def num_cached(self, layer_sliding: bool) -> int:
+        """How many cached positions a layer of this kind attends to (a sliding layer: its window's)."""
         return min(self.length, self.window - 1) if layer_sliding else self.length
 
-    def _prefix_positions(self, sliding: bool) -> torch.Tensor:
-        n = self._num_cached(sliding)
+    def prefix_positions(self, sliding: bool) -> torch.Tensor:
+        """The absolute positions of those cached keys, oldest first."""
+        n = self.num_cached(sliding)
         return torch.arange(self.length - n, self.length, device=self.device)
 
     def prepare_encode(
         self, batch_size: int, num_tokens: int, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
-        self._check_batch(batch_size)
+        self.check_batch(batch_size)
         assert not self._read_only, "a view of the cache is read-only"
         self._denoise_memo = None
         start, end = self.length, self.length + num_tokens
@@ -139,7 +162,7 @@ class KVCache:
         q = torch.arange(start, end, device=self.device)
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
-            k = torch.cat([self._prefix_positions(sliding), q])  # [S]
+            k = torch.cat([self.prefix_positions(sliding), q])  # [S]
             allowed = (k[None, :] <= q[:, None]) & self.valid[:, k][:, None, :]  # [B, T, S]
             if sliding:
                 allowed &= (q[:, None] - k[None, :]) < self.window
@@ -155,7 +178,7 @@ class KVCache:
 
         The result is remembered until the cache changes: every step of a canvas reuses it.
         """
-        self._check_batch(batch_size)
+        self.check_batch(batch_size)
         key = (self.length, batch_size, canvas_length)
         if self._denoise_memo is not None and self._denoise_memo[0] == key:
             return self._denoise_memo[1]
@@ -165,7 +188,7 @@ class KVCache:
             if not self.has_padding:  # every key is visible: no mask, no device sync
                 masks[layer_type] = None
                 continue
-            prefix_valid = self.valid[:, self._prefix_positions(sliding)]  # [B, S_prefix]
+            prefix_valid = self.valid[:, self.prefix_positions(sliding)]  # [B, S_prefix]
             canvas_valid = prefix_valid.new_ones(self.batch_size, canvas_length)
             allowed = torch.cat([prefix_valid, canvas_valid], dim=1)  # [B, S]
             masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
@@ -181,7 +204,7 @@ class KVCache:
             end = self.length + t
             self.keys[i][:, :, self.length : end] = k
             self.values[i][:, :, self.length : end] = v
-            start = end - t - self._num_cached(self.is_sliding[i])
+            start = end - t - self.num_cached(self.is_sliding[i])
             return self.keys[i][:, :, start:end], self.values[i][:, :, start:end]
         keys, values = self.with_prefix(i, k, v)
         slots = self.keys[i].shape[2]
@@ -192,12 +215,12 @@ class KVCache:
 
     def prefix_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached keys/values layer i's canvas queries see, [B, Hkv, n, D] (oldest first)."""
-        n = self._num_cached(self.is_sliding[i])
+        n = self.num_cached(self.is_sliding[i])
         ring = self.is_sliding[i] and not self.keep_all
         start = self.keys[i].shape[2] - n if ring else self.length - n
         past_k, past_v = self.keys[i][:, :, start : start + n], self.values[i][:, :, start : start + n]
-        if self._rows is not None:
-            past_k, past_v = past_k.index_select(0, self._rows), past_v.index_select(0, self._rows)
+        if self.row_index is not None:
+            past_k, past_v = past_k.index_select(0, self.row_index), past_v.index_select(0, self.row_index)
         return past_k, past_v
 
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,12 +258,12 @@ class StackedCache:
         positions = torch.cat([(c.length + offsets).expand(c.batch_size, -1) for c in self.caches])  # [B, C]
         masks = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
-            longest = max(c._num_cached(sliding) for c in self.caches)
+            longest = max(c.num_cached(sliding) for c in self.caches)
             self._longest[sliding] = longest
             rows = []
             for c in self.caches:
-                n = c._num_cached(sliding)
-                prefix_valid = c.valid[:, c._prefix_positions(sliding)]
+                n = c.num_cached(sliding)
+                prefix_valid = c.valid[:, c.prefix_positions(sliding)]
                 pad = prefix_valid.new_zeros(c.batch_size, longest - n)
                 rows.append(torch.cat([pad, prefix_valid, prefix_valid.new_ones(c.batch_size, canvas_length)], 1))
             allowed = torch.cat(rows)  # [B, longest + C]

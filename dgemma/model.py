@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import DiffusionGemmaConfig, GenerationConfig, LayerSpec, TextConfig
-from .kv_cache import KVCache
+from .kv_cache import DenoiseCache, KVCache
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -368,7 +368,7 @@ class DiffusionGemma(nn.Module):
     def denoise(
         self,
         canvas_ids: torch.Tensor,  # [B, T] canvas tokens
-        cache: KVCache,
+        cache: DenoiseCache,  # a KVCache, a view of one, or a StackedCache
         self_conditioning_logits: torch.Tensor | None = None,  # [B, T, V] previous step's processed logits
         self_conditioning_mask: torch.Tensor | None = None,  # [B] bool: rows whose signal is kept
         *,

@@ -81,7 +81,7 @@ def rollout(
     signals: list[list[torch.Tensor | None]] = [[] for _ in range(b)]
 
     def record_states(call: DenoiseCall) -> None:
-        rows = range(b) if call.cache._rows is None else call.cache._rows.tolist()
+        rows = range(b) if call.cache.row_index is None else call.cache.row_index.tolist()
         sc = call.self_conditioning_embeds
         for k, r in enumerate(rows):
             states[r].append(call.tokens[k].cpu())
