@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from . import __version__
+from .cli_common import add_model_option
 from .config import PRESETS, DiffusionGemmaConfig, GenerationConfig, count_parameters, human_count, preset
 
 
@@ -44,9 +45,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         source = f"preset {args.preset}"
         generation = GenerationConfig()
     else:
-        config = DiffusionGemmaConfig.from_file(args.model)
-        source = str(args.model)
-        generation = GenerationConfig.from_file(args.model)
+        directory = args.model_option or args.directory
+        config = DiffusionGemmaConfig.from_file(directory)
+        source = str(directory)
+        generation = GenerationConfig.from_file(directory)
     info = _describe(config)
     info["generation_defaults"] = generation.to_dict()
     if args.json:
@@ -58,7 +60,6 @@ def cmd_info(args: argparse.Namespace) -> int:
             value = f"{human_count(value)} ({value:,})"
         print(f"  {key.replace('_', ' '):24s} {value}")
     if not args.preset:
-        directory = Path(args.model)
         for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
             print(f"  {name:24s} {'present' if (directory / name).is_file() else 'absent'}")
     return 0
@@ -80,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(config.json is read; no weights are loaded) or of a named preset.",
     )
     src = info.add_mutually_exclusive_group(required=True)
-    src.add_argument("model", nargs="?", type=Path, help="checkpoint directory (holds config.json)")
+    add_model_option(src, help="checkpoint directory (holds config.json)")
+    src.add_argument("directory", nargs="?", type=Path, metavar="DIR", help="the same as --model DIR")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration instead of a directory")
-    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     info.set_defaults(func=cmd_info)
 
     from . import cli_bench, cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train

@@ -36,7 +36,7 @@ def load_for_bench(args: argparse.Namespace):
     model); accelerated unless --no-accelerate. Returns (model, tokenizer or None, what it is)."""
 
     from .bench import random_model
-    from .cli_generate import resolve_device
+    from .cli_common import resolve_device
     from .fast import accelerate
     from .weights import resolve_dtype
 
@@ -50,7 +50,7 @@ def load_for_bench(args: argparse.Namespace):
     else:
         if args.random_weights:
             raise ValueError("--random-weights goes with --preset")
-        from .cli_generate import load_model_and_tokenizer
+        from .cli_common import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(args)
         label = str(args.model)
@@ -157,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, label = load_for_bench(args)
-    steps = args.steps or _steps(CUDA_STEPS if model.device.type == "cuda" else CPU_STEPS)
+    steps = args.fixed_steps or _steps(CUDA_STEPS if model.device.type == "cuda" else CPU_STEPS)
     sampler_prompt = None
     if tokenizer is not None:
         sampler_prompt = tokenizer.encode(args.sampler_prompt)
@@ -182,26 +182,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.peaks = machine_peaks(model.device, model.dtype)
     if show:
         print("\r\033[2K", end="", file=sys.stderr)
-    print(format_table(result, label))
+    table = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON object alone
+    print(format_table(result, label), file=table)
     out = result.to_json() | {"benchmark": "dgemma_bench", "model": label}
     if args.plot:
         try:
             plot(result, args.plot, label)
-            print(f"plot: {args.plot}")
+            print(f"plot: {args.plot}", file=table)
             out["plot"] = str(args.plot)
         except ImportError:
             print("plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json_out.with_suffix(".tmp")
+    if args.save_json:
+        args.save_json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.save_json.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=1) + "\n")
-        tmp.replace(args.json_out)
+        tmp.replace(args.save_json)
     print(json.dumps(out))
     return 0
 
 
 def register(sub) -> None:
-    from .cli_generate import add_model_args, positive_int
+    from .cli_common import add_model_args, add_old_name, positive_int
     from .config import PRESETS
 
     s = sub.add_parser(
@@ -220,11 +221,12 @@ def register(sub) -> None:
     s.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (with --random-weights)")
     s.add_argument("--random-weights", action="store_true", help="random weights for --preset (speed only)")
     s.add_argument(
-        "--steps",
+        "--fixed-steps",
         type=_steps,
         default=None,
         help=f"fixed steps per canvas to measure, comma-separated (default: {CPU_STEPS} on CPU, {CUDA_STEPS} on CUDA)",
     )
+    add_old_name(s, "--steps", "--fixed-steps", dest="fixed_steps", type=_steps)
     s.add_argument("--prompt-length", type=positive_int, default=64, help="prompt tokens (default 64)")
     s.add_argument("--canvases", type=positive_int, default=2, help="canvases per diffusion run (default 2)")
     s.add_argument("--ar-tokens", type=positive_int, default=None, help="tokens per AR run (default: one canvas)")
@@ -245,7 +247,9 @@ def register(sub) -> None:
         "least the 2 steps its stop rule needs)",
     )
     s.add_argument("--plot", type=Path, default=Path("bench.png"), help="PNG plot path (default bench.png)")
-    s.add_argument("--json-out", type=Path, default=None, help="also write the JSON result to this file")
+    s.add_argument("--json", action="store_true", help="stdout: the JSON result alone (the table goes to stderr)")
+    s.add_argument("--save-json", type=Path, default=None, help="also write the JSON result to this file")
+    add_old_name(s, "--json-out", "--save-json", dest="save_json", type=Path)
     s.add_argument("--no-accelerate", action="store_true", help="measure the reference forward paths")
     s.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (the other fast paths stay)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")

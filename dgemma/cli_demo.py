@@ -13,8 +13,9 @@ plain text snapshots (no escape codes), so it can be piped or recorded.
 from __future__ import annotations
 
 import argparse
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .tasks.code import MODEL_DIR as CODE_MODEL_DIR
@@ -23,6 +24,15 @@ GENERATE_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."
 INFILL_PREFIX = "def mean(values):\n    total = "
 INFILL_SUFFIX = "\n    return total / len(values)\n"
 EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER = "def average(xs):\n    return sum(xs) / ", "len(ys)", "\n"
+
+
+# Control characters a model writes (ESC above all) would drive the terminal: each is shown as U+FFFD.
+_CONTROL = {c: "\ufffd" for c in (*range(32), 127) if chr(c) not in "\n\t"}
+
+
+def _shown(text: str) -> str:
+    """Model text made safe to print: newlines and tabs kept, other control characters replaced."""
+    return text.translate(_CONTROL)
 
 
 @dataclass
@@ -37,10 +47,10 @@ class Part:
 class Screen:
     """Where the demo writes: a rich console; live redraws only on a terminal."""
 
-    def __init__(self, live: bool | None = None):
+    def __init__(self, live: bool | None = None, stderr: bool = False):
         from rich.console import Console
 
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, stderr=stderr)
         self.live = self.console.is_terminal if live is None else live
 
     def title(self, text: str) -> None:
@@ -88,9 +98,9 @@ def _code_part(screen: Screen, model, tok, seed: int) -> Part:
     final: list[int] = []
 
     def render(event) -> Text:
-        text = Text(tok.decode(final), style="bold")
+        text = Text(_shown(tok.decode(final)), style="bold")
         for t, ok in zip(event.drafts[0].tolist(), event.accepted[0].tolist(), strict=True):
-            text.append(tok.decode([t]), style="green" if ok else "dim")
+            text.append(_shown(tok.decode([t])), style="green" if ok else "dim")
         text.append(f"\n[canvas {event.canvas_index + 1}, step {event.step}]", style="cyan")
         return text
 
@@ -99,7 +109,7 @@ def _code_part(screen: Screen, model, tok, seed: int) -> Part:
         screen, render, stream(model, prompt, max_new_tokens=2 * model.config.canvas_length, seed=seed)
     )
     seconds = time.perf_counter() - t0
-    screen.print(Text(GENERATE_PROMPT, style="bold") + Text(tok.decode(result.tokens[0])))
+    screen.print(Text(GENERATE_PROMPT, style="bold") + Text(_shown(tok.decode(result.tokens[0]))))
     s = result.stats
     return Part("generate", len(result.tokens[0]), sum(s.steps_per_canvas[0]), s.decoder_forward_passes[0], seconds)
 
@@ -115,7 +125,7 @@ def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
     r = infill(model, INFILL_PREFIX, INFILL_SUFFIX, tokenizer=tok, seed=seed)
     seconds = time.perf_counter() - t0
     screen.print("->")
-    screen.print(Text(INFILL_PREFIX) + Text(r.middle_text, style="bold green") + Text(INFILL_SUFFIX), end="")
+    screen.print(Text(INFILL_PREFIX) + Text(_shown(r.middle_text), style="bold green") + Text(INFILL_SUFFIX), end="")
     s = r.result.stats
     row = list(r.scores).index(r.middle_length) if r.scores else 0  # the row of the chosen middle length
     return Part("infill", len(r.middle), s.steps_per_canvas[row][0], s.decoder_forward_passes[row], seconds)
@@ -134,7 +144,7 @@ def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
     r = edit(model, ids, (len(before), len(before) + len(span)), tokenizer=tok, seed=seed)
     seconds = time.perf_counter() - t0
     screen.print("->")
-    screen.print(Text(EDIT_BEFORE) + Text(r.middle_text, style="bold green") + Text(EDIT_AFTER), end="")
+    screen.print(Text(EDIT_BEFORE) + Text(_shown(r.middle_text), style="bold green") + Text(EDIT_AFTER), end="")
     s = r.result.stats
     return Part("edit", len(r.middle), s.steps_per_canvas[0][0], s.decoder_forward_passes[0], seconds)
 
@@ -180,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
-    screen = Screen(live=False if args.plain else None)
+    screen = Screen(live=False if args.plain else None, stderr=args.json)  # --json: stdout holds the JSON alone
     directory = args.model or CODE_MODEL_DIR
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"no code model in {directory}; train one with recipes/code-small.yaml or give --model")
@@ -204,7 +214,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{p.name:10s} {p.tokens:7d} {p.steps:6d} {p.tokens / max(p.forwards, 1):12.2f} "
             f"{p.tokens / max(p.seconds, 1e-9):8.1f} {p.seconds:8.2f}"
         )
-    screen.print(f"total {time.perf_counter() - t_start:.1f} s (an autoregressive model needs one forward per token)")
+    total = time.perf_counter() - t_start
+    screen.print(f"total {total:.1f} s (an autoregressive model needs one forward per token)")
+    if args.json:
+        print(json.dumps({"model": str(directory), "parts": [asdict(p) for p in parts], "seconds": round(total, 3)}))
     return 0
 
 
@@ -215,12 +228,17 @@ def register(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("--model", type=Path, default=None, help="code model directory (default: the shipped one)")
+    s.add_argument("--model", "-m", type=Path, default=None, help="code model directory (default: the shipped one)")
     s.add_argument("--sudoku-model", type=Path, default=None, help="Sudoku model directory (default: shipped)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     s.add_argument("--plain", action="store_true", help="plain text snapshots even in a terminal")
     s.add_argument("--no-sudoku", action="store_true", help="skip the Sudoku part")
-    from .cli_generate import add_quant_args
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="stdout: one JSON object with each part's tokens, steps, forwards and seconds (the tour goes to stderr)",
+    )
+    from .cli_common import add_quant_args
 
     add_quant_args(s)
     s.set_defaults(func=cmd_demo)

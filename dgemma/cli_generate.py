@@ -5,168 +5,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from .cli_common import (
+    add_model_args,
+    add_old_name,
+    add_sampling_args,
+    load_model_and_tokenizer,
+    positive_int,
+    read_text,
+    sampling_overrides,
+)
 from .config import GenerationConfig
 
-SAMPLING_FLAGS = {
-    # flag (generation_config.json name) -> (type, help)
-    "max_new_tokens": (int, "tokens to generate at most (returned exactly; default from generation_config.json)"),
-    "max_denoising_steps": (int, "denoising steps per canvas at most"),
-    "entropy_bound": (float, "entropy-bound sampler: accepted entropy budget per step"),
-    "t_min": (float, "temperature at the last denoising step"),
-    "t_max": (float, "temperature at the first denoising step"),
-    "stability_threshold": (int, "stop a canvas after its argmax is unchanged for this many steps ..."),
-    "confidence_threshold": (float, "... and its mean entropy is below this"),
-}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
-    return value
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        "-m",
-        type=Path,
-        default=None,
-        help="checkpoint directory (config.json, model.safetensors, tokenizer.json); default: the small "
-        "code model shipped inside dgemma (trained on the Python standard library)",
-    )
-    p.add_argument(
-        "--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="weight dtype (auto: as stored)"
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--adapter", type=Path, default=None, help="a LoRA adapter directory, merged into the weights")
-    add_quant_args(p)
-
-
-def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument(
-        "--quant",
-        default=None,
-        required=required,
-        choices=["int8", "int4", "fp8"],
-        help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant)",
-    )
-    p.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    for name, (kind, text) in SAMPLING_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
-    g.add_argument(
-        "--sampler",
-        default="entropy-bound",
-        choices=["entropy-bound", "confidence", "fixed"],
-        help="which positions to accept each step (default: entropy-bound)",
-    )
-    g.add_argument("--confidence", type=float, default=0.9, help="confidence sampler: accept p(top) >= this")
-    g.add_argument("--tokens-per-step", type=positive_int, default=16, help="fixed sampler: tokens added per step")
-    g.add_argument(
-        "--mode",
-        default="fast",
-        choices=["fast", "exact"],
-        help="fast (default) or exact (same token ids as transformers' generate for the same seed)",
-    )
-    g.add_argument("--seed", type=int, default=None, help="random seed (reproducible output)")
-    g.add_argument(
-        "--early-commit",
-        action="store_true",
-        help="stream a canvas's leading tokens as soon as they settle (and freeze them)",
-    )
+REASONING_HELP = "turn on thinking (the chat template's enable_thinking; the server's `reasoning` field)"
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
+    """--show-canvas, --stats and --json for the commands that stream text."""
     p.add_argument("--show-canvas", action="store_true", help="watch each canvas denoise live in the terminal")
     p.add_argument("--stats", action="store_true", help="print timing and steps per canvas to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
 
 
-def sampling_overrides(args: argparse.Namespace) -> dict:
-    out = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    out.update(
-        sampler=args.sampler,
-        confidence=args.confidence,
-        tokens_per_step=args.tokens_per_step,
-        mode=args.mode,
-        seed=args.seed,
-        early_commit=args.early_commit,
-    )
-    return out
-
-
-def resolve_device(name: str | None) -> str:
-    """The --device to use (default: cuda when available, else cpu), refused clearly when it cannot be."""
-    import torch
-
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, ...)") from e
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: this PyTorch sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
-    elif device.type not in ("cpu", "mps"):
-        raise ValueError(f"--device {name}: dgemma runs on cpu or cuda")
-    return name
-
-
-def load_model_and_tokenizer(args: argparse.Namespace):
-
-    from .fast import accelerate
-    from .tokenizer import Tokenizer
-    from .weights import load
-
-    if args.model is None:
-        from .tasks.code import MODEL_DIR
-
-        args.model = MODEL_DIR
-        print(
-            f"dgemma: no --model given, using the shipped code model ({MODEL_DIR}; a small model trained "
-            "on the Python standard library, not a chat model)",
-            file=sys.stderr,
-        )
-        if not (MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the shipped code model is missing from {MODEL_DIR}; reinstall dgemma")
-    directory = args.model
-    if not directory.is_dir():
-        raise FileNotFoundError(f"model directory {directory} does not exist")
-    tokenizer = Tokenizer.from_dir(directory)
-    device = resolve_device(args.device)
-    if args.quant and args.adapter is not None:
-        raise ValueError("--adapter merges into full-precision weights; merge first (dgemma merge), then --quant")
-    model = load(
-        directory,
-        dtype=args.dtype,
-        device=device,
-        progress=sys.stderr.isatty(),
-        quant=args.quant,
-        group_size=args.group_size,
-    )
-    if args.adapter is not None:
-        from .train.lora import load_adapter
-
-        model = load_adapter(model, args.adapter, merge=True)
-    if getattr(args, "mode", "fast") == "fast":  # exact mode keeps the reference forward paths
-        accelerate(model, compile=getattr(args, "compile", False))
-    if tokenizer.vocab_size > model.text_config.vocab_size:
-        raise ValueError(
-            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model only {model.text_config.vocab_size}"
-        )
-    return model, tokenizer
-
-
-# ------------------------------------------------------------------------------------------------
+def add_reasoning_args(p: argparse.ArgumentParser) -> None:
+    """--reasoning (and its old name, --thinking)."""
+    p.add_argument("--reasoning", action="store_true", help=REASONING_HELP)
+    add_old_name(p, "--thinking", "--reasoning", dest="reasoning", is_flag=True)
 
 
 class TextPrinter:
@@ -285,27 +149,7 @@ def _prompt_ids(tokenizer, text: str, args) -> list[int]:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": text}
     ]
-    return tokenizer.apply_chat_template(messages, enable_thinking=True if args.thinking else None)
-
-
-def read_text(source: str, what: str) -> str:
-    """The UTF-8 text of a file, or of stdin when `source` is "-"; a ValueError naming `what` otherwise."""
-    try:
-        if source == "-":
-            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-        else:
-            data = Path(source).read_bytes()
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{what} {source} does not exist") from e
-    except OSError as e:
-        raise ValueError(f"{what} {source}: {e.strerror or e}") from e
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        where = "stdin" if source == "-" else source
-        raise ValueError(
-            f"{what}: {where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give UTF-8 text"
-        ) from None
+    return tokenizer.apply_chat_template(messages, enable_thinking=True if args.reasoning else None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -340,7 +184,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
-    session = Session(model, max_length=args.context, tokenizer=tokenizer)
+    session = Session(model, max_length=args.max_context, tokenizer=tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("dgemma chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
     while True:
@@ -354,7 +198,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line})
-        ids = tokenizer.apply_chat_template(messages, enable_thinking=True if args.thinking else None)
+        ids = tokenizer.apply_chat_template(messages, enable_thinking=True if args.reasoning else None)
         printer = TextPrinter(tokenizer)
         result = run_stream(session.stream(ids, **sampling_overrides(args)), tokenizer, args, printer)
         reply = tokenizer.decode(result.tokens[0])
@@ -380,7 +224,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
     length = args.middle_length
     middle_length = "auto" if length == "auto" else int(length)
     overrides = sampling_overrides(args)
-    overrides.pop("early_commit")
+    for name in ("early_commit", "early_commit_steps", "early_commit_entropy"):  # a middle is never streamed
+        overrides.pop(name)
     result = infill(
         model, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=args.length_score, **overrides
     )
@@ -416,7 +261,12 @@ def register(sub) -> None:
         f"steps, entropy bound {defaults.entropy_bound}, temperature {defaults.t_max} -> {defaults.t_min}, "
         f"{defaults.max_new_tokens} new tokens."
     )
+    _register_generate(sub, epilog)
+    _register_chat(sub, epilog)
+    _register_infill(sub, epilog)
 
+
+def _register_generate(sub, epilog: str) -> None:
     g = sub.add_parser(
         "generate",
         help="generate text from a prompt",
@@ -428,13 +278,15 @@ def register(sub) -> None:
     g.add_argument("--prompt", "-p", help="the prompt (default, or '-': read stdin, as UTF-8)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--system", help="system message (chat template)")
-    g.add_argument("--thinking", action="store_true", help="turn on thinking (chat template's enable_thinking)")
+    add_reasoning_args(g)
     add_sampling_args(g)
     g.add_argument("--ar", action="store_true", help="decode autoregressively (token by token) instead")
     g.add_argument("--temperature", type=float, default=0.0, help="with --ar: sampling temperature (0 = greedy)")
     add_output_args(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _register_chat(sub, epilog: str) -> None:
     c = sub.add_parser(
         "chat",
         help="multi-turn chat in the terminal",
@@ -443,12 +295,21 @@ def register(sub) -> None:
     )
     add_model_args(c)
     c.add_argument("--system", help="system message")
-    c.add_argument("--thinking", action="store_true", help="turn on thinking")
-    c.add_argument("--context", type=positive_int, default=None, help="KV cache size in tokens (default 8192)")
+    add_reasoning_args(c)
+    c.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        help="positions (every turn's prompt and reply) the conversation may use, which sizes its KV cache "
+        "(default 8192)",
+    )
+    add_old_name(c, "--context", "--max-context", dest="max_context", type=positive_int)
     add_sampling_args(c)
     add_output_args(c)
     c.set_defaults(func=cmd_chat, raw=False)
 
+
+def _register_infill(sub, epilog: str) -> None:
     i = sub.add_parser(
         "infill",
         help="fill the middle between a prefix and a suffix",
@@ -475,5 +336,5 @@ def register(sub) -> None:
     i.add_argument("--middle-only", action="store_true", help="print only the middle")
     add_sampling_args(i)
     i.add_argument("--stats", action="store_true", help="print the chosen length and scores to stderr")
-    i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--json", action="store_true", help="print one JSON object: middle, text, middle_length, scores")
     i.set_defaults(func=cmd_infill)

@@ -1,8 +1,10 @@
-"""`dgemma quantize DIR OUT --quant int4`: write a quantized checkpoint that loads directly."""
+"""`dgemma quantize --model DIR --out OUT --quant int4` (or `DIR OUT`): write a quantized checkpoint that
+loads directly."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -12,9 +14,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Read DIR tensor by tensor, quantizing as it goes, and write OUT (weights, config, tokenizer)."""
+    from .cli_common import options_or_positionals
     from .weights import load, save
 
-    src, out = Path(args.model), Path(args.out)
+    src, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.directory, args.out_dir])
+    if src is None or out is None:
+        raise ValueError("give the source and the output directory: --model DIR --out OUT (or DIR OUT)")
     if not src.is_dir():
         raise FileNotFoundError(f"model directory {src} does not exist")
     if out.resolve() == src.resolve():
@@ -28,12 +33,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             shutil.copyfile(src / name, out / name)
     before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"wrote {out}: {args.quant} weights, {after / 2**20:.1f} MiB (from {before / 2**20:.1f} MiB)")
+    if args.json:
+        print(json.dumps({"out": str(out), "quant": args.quant, "bytes": after, "source_bytes": before}))
+    else:
+        print(f"wrote {out}: {args.quant} weights, {after / 2**20:.1f} MiB (from {before / 2**20:.1f} MiB)")
     return 0
 
 
 def register(sub) -> None:
-    from .cli_generate import add_quant_args
+    from .cli_common import add_model_option, add_quant_args
 
     s = sub.add_parser(
         "quantize",
@@ -43,8 +51,11 @@ def register(sub) -> None:
         "write it as a checkpoint directory that every command loads directly. The source is read tensor "
         "by tensor, never whole.",
     )
-    s.add_argument("model", type=Path, help="source checkpoint directory")
-    s.add_argument("out", type=Path, help="output directory")
+    add_model_option(s, help="source checkpoint directory")
+    s.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help="output directory")
+    s.add_argument("directory", nargs="?", type=Path, metavar="DIR", help="the same as --model DIR")
+    s.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
     add_quant_args(s, required=True)
     s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
+    s.add_argument("--json", action="store_true", help="print one JSON object: out, quant, bytes, source_bytes")
     s.set_defaults(func=cmd_quantize)

@@ -15,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .server.limits import Limits
     except ImportError as e:
         raise ImportError("the server needs FastAPI, uvicorn and prometheus-client: pip install 'dgemma[serve]'") from e
-    from .cli_generate import load_model_and_tokenizer
+    from .cli_common import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -68,7 +68,7 @@ def _positive_float(text: str) -> float:
 
 
 def register(sub) -> None:
-    from .cli_generate import add_model_args, positive_int
+    from .cli_common import add_model_args, positive_int
     from .server.limits import Limits
 
     def non_negative_int(text: str) -> int:

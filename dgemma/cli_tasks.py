@@ -12,10 +12,10 @@ from pathlib import Path
 def _read_puzzle(args: argparse.Namespace) -> str:
     from .tasks import sudoku
 
-    if args.file is not None:
-        if not args.file.is_file():
-            raise FileNotFoundError(f"puzzle file {args.file} not found")
-        return sudoku.parse(args.file.read_text())
+    if args.puzzle_file is not None:
+        if not args.puzzle_file.is_file():
+            raise FileNotFoundError(f"puzzle file {args.puzzle_file} not found")
+        return sudoku.parse(args.puzzle_file.read_text())
     if args.puzzle:
         return sudoku.parse(" ".join(args.puzzle))
     return sudoku.generate_level(args.level, args.seed if args.seed is not None else int(time.time())).puzzle
@@ -69,7 +69,11 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     else:
         retry_on = args.retry_on or "invalid"
         sampling.update(sudoku.SOLVER_DEFAULTS[retry_on], retry_on=retry_on)
-    given = {"attempts": args.attempts, "max_denoising_steps": args.steps, "confidence_threshold": args.stop_entropy}
+    given = {
+        "attempts": args.attempts,
+        "max_denoising_steps": args.max_denoising_steps,
+        "confidence_threshold": args.confidence_threshold,
+    }
     sampling.update({k: v for k, v in given.items() if v is not None})
     if sampling["attempts"] < 1:
         raise ValueError(f"--attempts must be at least 1, got {sampling['attempts']}")
@@ -109,7 +113,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli_generate import add_quant_args
+    from .cli_common import add_old_name, add_quant_args
 
     s = sub.add_parser(
         "sudoku",
@@ -120,21 +124,23 @@ def register(sub) -> None:
         "status 1 if the model's grid is not a valid solution.",
     )
     s.add_argument("puzzle", nargs="*", help="the puzzle (81 cells; may be split over several arguments)")
-    s.add_argument("--file", type=Path, help="read the puzzle from a file")
+    s.add_argument("--puzzle-file", type=Path, help="read the puzzle from a file")
+    add_old_name(s, "--file", "--puzzle-file", dest="puzzle_file", type=Path)
     s.add_argument(
         "--level",
         default="medium",
         choices=["easy", "medium", "hard"],
         help="difficulty of the random puzzle made when none is given (default medium)",
     )
-    s.add_argument("--model", type=Path, default=None, help="another Sudoku model directory")
+    s.add_argument("--model", "-m", type=Path, default=None, help="another Sudoku model directory")
     add_quant_args(s)
     s.add_argument(
-        "--steps",
+        "--max-denoising-steps",
         type=int,
         default=None,
-        help="maximum denoising steps per canvas (default 8; with --one-canvas, the model's own 48)",
+        help="denoising steps per canvas at most (default 8; with --one-canvas, the model's own 48)",
     )
+    add_old_name(s, "--steps", "--max-denoising-steps", dest="max_denoising_steps", type=int)
     s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
     s.add_argument(
         "--attempts",
@@ -153,13 +159,14 @@ def register(sub) -> None:
         "model is consulted",
     )
     s.add_argument(
-        "--stop-entropy",
+        "--confidence-threshold",
         type=float,
         default=None,
         help="the stop rule's mean-entropy threshold: a canvas settles when its draft is stable and its mean "
         "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled, which also "
         "asks the draft to stay unchanged for 2 steps rather than 1)",
     )
+    add_old_name(s, "--stop-entropy", "--confidence-threshold", dest="confidence_threshold", type=float)
     s.add_argument(
         "--one-canvas",
         action="store_true",

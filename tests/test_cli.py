@@ -213,3 +213,139 @@ def test_bad_device_is_a_clear_error(device, message, capsys):
     assert main(["generate", "--device", device, "-p", "x", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def _subcommands() -> dict:
+    """{name: subparser} of the `dgemma` command."""
+    import argparse
+
+    from dgemma.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_one_flag_name_per_knob_in_every_command():
+    import argparse
+
+    flags_of: dict[str, set] = {}  # what each setting is called, across the commands
+    for command, parser in _subcommands().items():
+        for action in parser._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if action.help == argparse.SUPPRESS or not longs or longs == ["--help"]:
+                continue
+            flags_of.setdefault(action.dest.removesuffix("_option"), set()).add((longs[0], command))
+    names = {dest: {flag for flag, _ in used} for dest, used in flags_of.items()}
+    assert {dest: n for dest, n in names.items() if len(n) > 1} == {}
+    # every command that loads a model takes it as --model (train reads it from its YAML config)
+    takes_model = {command for _, command in flags_of["model"]}
+    assert takes_model >= set(_subcommands()) - {"train", "merge"}
+    assert {command for _, command in flags_of["json"]} >= {
+        "info",
+        "generate",
+        "chat",
+        "infill",
+        "sudoku",
+        "bench",
+        "demo",
+        "quantize",
+    }
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (["generate", "--thinking"], ["generate", "--reasoning"]),
+        (["chat", "--thinking", "--context", "64"], ["chat", "--reasoning", "--max-context", "64"]),
+        (["sudoku", "--steps", "4"], ["sudoku", "--max-denoising-steps", "4"]),
+        (["sudoku", "--stop-entropy", "0.01"], ["sudoku", "--confidence-threshold", "0.01"]),
+        (["sudoku", "--file", "p.txt"], ["sudoku", "--puzzle-file", "p.txt"]),
+        (
+            ["bench", "--steps", "2,1", "--json-out", "b.json"],
+            ["bench", "--fixed-steps", "1,2", "--save-json", "b.json"],
+        ),
+        (["info", "DIR"], ["info", "--model", "DIR"]),
+        (["quantize", "DIR", "OUT", "--quant", "int8"], ["quantize", "-m", "DIR", "--out", "OUT", "--quant", "int8"]),
+    ],
+)
+def test_old_flag_names_still_work_and_say_the_new_one(old, new, capsys):
+    from dgemma.cli import build_parser
+
+    before, after = build_parser().parse_args(old), build_parser().parse_args(new)
+    err = capsys.readouterr().err
+    renamed = [o for o in old if o.startswith("--") and o not in new]
+    assert all(f"{o} is now" in err for o in renamed) and err.count("note:") == len(renamed)
+    if old[0] == "info":  # the positional argument stays an alternative to --model
+        assert before.directory == after.model_option
+    elif old[0] == "quantize":
+        assert (before.directory, before.out_dir) == (after.model_option, after.out)
+    else:
+        assert vars(before) == vars(after)
+    with pytest.raises(SystemExit):
+        main([old[0], "--help"])
+    shown = capsys.readouterr().out
+    assert not any(f"{o} " in shown or f"{o}\n" in shown for o in renamed), "old names are hidden from --help"
+
+
+def test_generate_takes_reasoning_and_its_old_name(model_dir, capsys):
+    for flag in ("--reasoning", "--thinking"):
+        args = ["generate", "-m", str(model_dir), "-p", "hi", "--max-new-tokens", "4", "--json", flag, *FAST]
+        assert main(args) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["tokens"] <= 4
+        assert ("--thinking is now --reasoning" in captured.err) == (flag == "--thinking")
+
+
+def test_quantize_takes_model_and_out_flags_and_prints_json(ckpt_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "q8"
+    assert main(["quantize", "--model", str(ckpt_with_tokenizer), "--out", str(out), "--quant", "int8", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["out"] == str(out) and info["quant"] == "int8" and 0 < info["bytes"] < info["source_bytes"]
+    assert (out / "tokenizer.json").is_file()
+    assert (
+        main(["quantize", "-m", str(ckpt_with_tokenizer), str(tmp_path / "a"), str(tmp_path / "b"), "--quant", "int8"])
+        == 2
+    )
+    assert "given as flags or as arguments, not both" in capsys.readouterr().err
+    assert main(["quantize", str(ckpt_with_tokenizer), "--quant", "int8"]) == 2
+    assert "--out OUT" in capsys.readouterr().err
+
+
+def test_bench_json_prints_the_result_alone(tmp_path, capsys):
+    argv = [
+        "bench",
+        "--preset",
+        "tiny",
+        "--random-weights",
+        "--fixed-steps",
+        "1,2",
+        "--repeats",
+        "1",
+        "--canvases",
+        "1",
+    ]
+    assert (
+        main([*argv, "--plot", str(tmp_path / "b.png"), "--save-json", str(tmp_path / "b.json"), "--json", "--quiet"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # the whole of stdout: one JSON object
+    assert result == json.loads((tmp_path / "b.json").read_text()) and [p["steps"] for p in result["points"]] == [1, 2]
+    assert captured.out.count("\n") == 1 and "crossover: diffusion is faster" in captured.err
+
+
+def test_demo_json_prints_the_statistics_alone(capsys):
+    assert main(["demo", "--json", "--no-sudoku", "--plain"]) == 0  # the shipped code model
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # the whole of stdout: one JSON object
+    assert [p["name"] for p in out["parts"]] == ["generate", "infill", "edit"] and out["seconds"] > 0
+    assert all(p["steps"] >= 1 and p["forwards"] >= 1 for p in out["parts"])
+    assert "1. A canvas of random tokens" in captured.err and "== Statistics ==" in captured.err
+
+
+def test_demo_shows_control_characters_a_model_writes_as_replacement_characters():
+    from dgemma.cli_demo import _shown
+
+    # a random model's draft can hold ESC: printed as is, it would drive the terminal
+    assert _shown("a\x1b[2Jb\r\n\tc\x7f") == "a\ufffd[2Jb\ufffd\n\tc\ufffd"

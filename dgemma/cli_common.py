@@ -1,0 +1,202 @@
+"""What the `dgemma` subcommands share: model and sampling flags, model loading, text input, old flag names."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+MODEL_HELP = "checkpoint directory (config.json, model.safetensors, tokenizer.json)"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+class _OldName(argparse.Action):
+    """A flag's name before it was renamed: stores what the new name stores and says the new name on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, nargs=None, const=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, const=const, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"dgemma: note: {option_string} is now {self.new}; the old name goes in a future release", file=sys.stderr
+        )
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def add_old_name(p, old: str, new: str, dest: str, *, is_flag: bool = False, type=None) -> None:
+    """Accept `old` (hidden from --help) as `new` for one release; `is_flag` for store_true flags."""
+    extra = {"nargs": 0, "const": True} if is_flag else {"type": type}
+    p.add_argument(old, dest=dest, action=_OldName, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **extra)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model (default: the shipped code model), --dtype, --device, --adapter and the quantization flags."""
+    p.add_argument(
+        "--model",
+        "-m",
+        type=Path,
+        default=None,
+        help=f"{MODEL_HELP}; default: the small code model shipped inside dgemma (trained on the Python "
+        "standard library)",
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="weight dtype (auto: as stored)"
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--adapter", type=Path, default=None, help="a LoRA adapter directory, merged into the weights")
+    add_quant_args(p)
+
+
+def add_model_option(p, help: str = MODEL_HELP) -> None:
+    """--model/-m for a command that also takes the model as a positional argument (stored as
+    `model_option`; see options_or_positionals)."""
+    p.add_argument("--model", "-m", dest="model_option", type=Path, default=None, metavar="DIR", help=help)
+
+
+def options_or_positionals(options: dict, positionals: list) -> list:
+    """Each value of `options` (flag -> value) where given, else the next positional argument: a command
+    that takes `DIR OUT` also takes `--model DIR --out OUT`, or any mix. A ValueError for a leftover."""
+    rest = [v for v in positionals if v is not None]
+    values = [value if value is not None else (rest.pop(0) if rest else None) for value in options.values()]
+    if rest:
+        raise ValueError(
+            f"unexpected argument {rest[0]}: {', '.join(options)} are given as flags or as arguments, not both"
+        )
+    return values
+
+
+def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """--quant and --group-size."""
+    p.add_argument(
+        "--quant",
+        default=None,
+        required=required,
+        choices=["int8", "int4", "fp8"],
+        help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant)",
+    )
+    p.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices),
+    then --compile."""
+    from .settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
+
+    defaults = SamplingParams()
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    for name, meta in SETTINGS.items():
+        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+        if meta["kind"] is bool:
+            g.add_argument(flag, dest=name, action="store_true", help=meta["help"])
+            continue
+        text = meta["help"] + ("" if name in CHECKPOINT_DEFAULTED or default is None else f" (default {default})")
+        kind = positive_int if meta["kind"] is int and meta["low"] == 1 else meta["kind"]
+        g.add_argument(flag, dest=name, type=kind, choices=meta["choices"], default=default, help=text)
+    g.add_argument("--compile", action="store_true", help="torch.compile the denoising pass (fast mode)")
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The keyword arguments of dgemma.generate / stream / infill that the sampling flags set."""
+    from .settings import SETTINGS
+
+    return {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
+
+
+def resolve_device(name: str | None) -> str:
+    """The --device to use (default: cuda when available, else cpu), refused clearly when it cannot be."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, ...)") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this PyTorch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"--device {name}: dgemma runs on cpu or cuda")
+    return name
+
+
+def _default_model_dir() -> Path:
+    from .tasks.code import MODEL_DIR
+
+    print(
+        f"dgemma: no --model given, using the shipped code model ({MODEL_DIR}; a small model trained "
+        "on the Python standard library, not a chat model)",
+        file=sys.stderr,
+    )
+    if not (MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped code model is missing from {MODEL_DIR}; reinstall dgemma")
+    return MODEL_DIR
+
+
+def load_model_and_tokenizer(args: argparse.Namespace):
+    """The model and tokenizer that add_model_args' flags name (accelerated unless --mode exact)."""
+    from .fast import accelerate
+    from .tokenizer import Tokenizer
+    from .weights import load
+
+    if args.model is None:
+        args.model = _default_model_dir()
+    directory = args.model
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory {directory} does not exist")
+    tokenizer = Tokenizer.from_dir(directory)
+    device = resolve_device(args.device)
+    if args.quant and args.adapter is not None:
+        raise ValueError("--adapter merges into full-precision weights; merge first (dgemma merge), then --quant")
+    model = load(
+        directory,
+        dtype=args.dtype,
+        device=device,
+        progress=sys.stderr.isatty(),
+        quant=args.quant,
+        group_size=args.group_size,
+    )
+    if args.adapter is not None:
+        from .train.lora import load_adapter
+
+        model = load_adapter(model, args.adapter, merge=True)
+    if getattr(args, "mode", "fast") == "fast":  # exact mode keeps the reference forward paths
+        accelerate(model, compile=getattr(args, "compile", False))
+    if tokenizer.vocab_size > model.text_config.vocab_size:
+        raise ValueError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model only {model.text_config.vocab_size}"
+        )
+    return model, tokenizer
+
+
+def read_text(source: str, what: str) -> str:
+    """The UTF-8 text of a file, or of stdin when `source` is "-"; a ValueError naming `what` otherwise."""
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        else:
+            data = Path(source).read_bytes()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what} {source} does not exist") from e
+    except OSError as e:
+        raise ValueError(f"{what} {source}: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = "stdin" if source == "-" else source
+        raise ValueError(
+            f"{what}: {where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); give UTF-8 text"
+        ) from None
