@@ -141,6 +141,27 @@ def load_quiet(path: str | Path, **kwargs: Any):
         return load(path, **kwargs)
 
 
+# A fixed corpus for test tokenizers: the same text on every machine and at every commit (dgemma's own
+# sources, used before, changed the tokenizer, and so every random model's output, with each edit).
+_CORPUS_TEXT = (
+    "def class return import from as if elif else for while in not and or is None True False with try except "
+    "finally raise yield lambda pass break continue global assert del self cls args kwargs value values total "
+    "count index item items key keys result results name names path file files text line lines data list dict "
+    "set tuple int float str bytes bool len range print open read write append extend sort sorted sum min max "
+    "model token tokens canvas step steps cache layer layers batch size shape tensor torch x y z a b c i j k n "
+    "( ) [ ] { } : , . = + - * / % < > == != <= >= += -> # ' \" \n \t 0 1 2 3 4 5 6 7 8 9 10 16 32 64 256"
+)
+_CORPUS_WORDS = _CORPUS_TEXT.split(" ")
+
+
+def _tokenizer_corpus(words: int = 20_000, seed: int = 0) -> list[str]:
+    """Python-flavoured text drawn from a fixed word list with a fixed seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_CORPUS_WORDS) for _ in range(200)) for _ in range(words // 200)]
+
+
 def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     """A byte-level BPE `dgemma.Tokenizer` with Gemma 4-style specials (ids 0..9) and the dgemma template."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -148,8 +169,8 @@ def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
 
     from .tokenizer import Tokenizer
 
-    if corpus is None:  # dgemma's own sources: always present, deterministic
-        corpus = [p.read_text() for p in sorted(Path(__file__).parent.glob("*.py"))]
+    if corpus is None:
+        corpus = _tokenizer_corpus()
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
