@@ -172,6 +172,12 @@ def test_stage2_trains_logs_and_resumes_exactly(records, tmp_path):
     assert [r["loss"] for r in log_records(tmp_path / "b") if "loss" in r] == [r["loss"] for r in steps]
 
 
+def test_stage2_progress_bar_runs(records, tmp_path, capsys):
+    """The bar shows what stage 2 counts (it asked for stage 1's tokens/s and crashed on a terminal)."""
+    result = train_stage2(_config(records, tmp_path / "p"), progress=True, stop_after=1)
+    assert result.steps == 1 and "1/" in capsys.readouterr().err
+
+
 def test_stage2_cli_and_config_errors(records, tmp_path, capsys):
     from dgemma.cli import main
 

@@ -5,11 +5,16 @@ and NeMo's recipes); there is no separate encoder copy whose delta could be merg
 targets are the attention projections and the dense GeGLU MLP of every layer; experts, router,
 embeddings and the self-conditioning block stay frozen. Adapters are saved in peft's format
 (adapter_config.json + adapter_model.safetensors) under dgemma's module names.
+
+Everything that knows how peft lays a model out lives here: the trainer asks this module for the
+DiffusionGemma under the adapters (`base_model`), writes adapters with `save_adapter` and restores them
+with `adapter_state`; `load_adapter(merge=True)` is the merged export (`dgemma merge`).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +62,34 @@ def apply_lora(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_regex(targets), bias="none"
     )
     return peft.get_peft_model(model, config)
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft model (a DiffusionGemma wrapped with adapters)."""
+    peft = sys.modules.get("peft")  # a model can only be adapted once peft is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def base_model(model: torch.nn.Module) -> DiffusionGemma:
+    """The DiffusionGemma under `model`'s adapters (`model` itself when it has none); the adapted layers
+    stay in place, so sharding or inspecting it covers the adapters too."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
+def save_adapter(model: torch.nn.Module, directory: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write the adapters of peft model `model` to `directory` in peft's format, taking their values from
+    `state_dict` (the model's full state dict, as gathered from every process)."""
+    model.save_pretrained(str(directory), state_dict=state_dict)
+
+
+def adapter_state(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The adapter tensors that `save_adapter` wrote to `directory`, under peft model `model`'s state-dict
+    names (the same on every process, so a sharded model can load them collectively)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(directory) / "adapter_model.safetensors"))
+    # the file drops the adapter's name ("default") from each key
+    return {key: saved[key.replace(".default.weight", ".weight")] for key in model.state_dict() if "lora_" in key}
 
 
 def _check_adapter_dir(path: Path) -> None:

@@ -18,37 +18,27 @@ Each step:
 It logs reward, solve rate, steps per canvas and tokens per forward of the student's rollouts, the
 teacher's success rate, the losses, KL and clip fraction (out_dir/log.jsonl), evaluates on `data.eval`
 every `train.eval_every` steps and at the end, and checkpoints and resumes exactly like stage 1 (every
-random draw is a function of the seed and the step).
+random draw is a function of the seed and the step): the step above is the function this module hands
+to the shared loop (trainer.loop).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import statistics
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..model import DiffusionGemma
 from .config import TrainConfig
-from .data import batch_indices, load_jsonl
-from .distill import distillation_loss, pins_for, rollout, teacher_targets
+from .data import Example, batch_indices
+from .distill import Trajectory, distillation_loss, pins_for, rollout, teacher_targets
+from .distributed import print0
 from .rl import REWARDS, corrupt, group_advantages, grpo_loss, reward_stats, token_logprobs
-from .trainer import (
-    TrainingDiverged,
-    TrainResult,
-    _build_model,
-    _export_final,
-    _log,
-    _optimizer,
-    _ProgressBar,
-    _resume,
-    _save_checkpoint,
-    _truncate_log,
-)
+from .trainer import StepResult, TrainResult, append_log, load_data, loop, prepare, start_run
 
 
 def _seed(*parts: int) -> int:
@@ -82,162 +72,148 @@ def evaluate_policy(model, examples, reward, cfg: TrainConfig, n: int, seed: int
     }
 
 
+@dataclass
+class _Stage2:
+    """What a stage-2 step needs: the student, the frozen stage-1 model, the verifier and the records."""
+
+    cfg: TrainConfig
+    model: DiffusionGemma
+    reference: DiffusionGemma  # the teacher and the KL anchor
+    reward: object  # (prompt, canvas, reference) -> score in [0, 1]
+    examples: list[Example]
+    device: torch.device
+
+
+def _step(s: _Stage2, step: int) -> StepResult:
+    """Stage 2's step: rollouts of the student, scored; the distillation and GRPO terms; backward."""
+    s2, c = s.cfg.stage2, s.model.config.canvas_length
+    seed = _seed(s.cfg.train.seed, step)
+    chosen = [s.examples[e] for _, e in batch_indices(step, s2.prompts_per_step, len(s.examples), s.cfg.train.seed)]
+    prompts = [e.prompt for e in chosen]
+    references = [e.response[:c] for e in chosen]
+    pins = pins_for([e.pinned for e in chosen], [e.response for e in chosen], c)
+    g = s2.group_size
+    s.model.eval()
+    group_prompts = [p for p in prompts for _ in range(g)]
+    runs = rollout(s.model, group_prompts, pins.repeat_interleave(g, 0), seed=seed, **s2.sampling)
+    rewards = [s.reward(r.prompt, r.final, references[i // g]) for i, r in enumerate(runs)]
+    record: dict = reward_stats(rewards)
+    record["steps_per_canvas"] = statistics.fmean(r.steps for r in runs)
+    record["tokens_per_forward"] = statistics.fmean(r.tokens_per_forward for r in runs)
+    s.model.train()
+    loss = torch.zeros((), device=s.device)
+    if s2.distill_weight > 0:
+        per_run = _distill_targets(s, prompts, pins, references, runs, rewards, seed, record)
+        distill, used = distillation_loss(
+            s.model,
+            runs,
+            per_run,
+            states_per_trajectory=s2.states_per_trajectory,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        loss = loss + s2.distill_weight * distill
+        record["distill_loss"] = float(distill.detach())
+        record["distill_states"] = used
+    rl = _rl_term(s, group_prompts, runs, rewards, seed, record) if s2.rl_weight > 0 else None
+    if rl is not None:
+        loss = loss + s2.rl_weight * rl
+    if loss.requires_grad:  # else no verified rollout and no advantage: nothing to learn, the schedule moves on
+        loss.backward()
+    return StepResult(float(loss.detach()), record)
+
+
+def _distill_targets(s: _Stage2, prompts, pins, references, runs: list[Trajectory], rewards, seed, record) -> list:
+    """Each rollout's distillation target (None: none this step), as stage2.distill_target chooses."""
+    s2, g = s.cfg.stage2, s.cfg.stage2.group_size
+    if s2.distill_target == "teacher":
+        targets, teacher_rewards = teacher_targets(
+            s.reference, prompts, pins, references, s.reward, s2.target_threshold, seed=seed, **s2.teacher_sampling
+        )
+        for i in range(len(prompts)):  # the teacher failed: a verified group member instead
+            if targets[i] is None:
+                best = max(range(i * g, (i + 1) * g), key=lambda k: rewards[k])
+                if rewards[best] >= s2.target_threshold:
+                    targets[i] = runs[best].final
+        record["teacher_solved"] = sum(w >= s2.target_threshold for w in teacher_rewards) / len(prompts)
+        return [targets[i // g] for i in range(len(runs))]
+    if s2.distill_target == "reference":  # the record's answer, from every state of every rollout
+        return [references[i // g] for i in range(len(runs))]
+    # each verified rollout's own end: from every state it visited, predict where it arrived
+    return [r.final if w >= s2.target_threshold else None for r, w in zip(runs, rewards, strict=True)]
+
+
+def _rl_term(s: _Stage2, group_prompts, runs: list[Trajectory], rewards, seed, record) -> torch.Tensor | None:
+    """The GRPO loss of the rollouts (None when no rollout scores differently from its group)."""
+    s2 = s.cfg.stage2
+    advantages = group_advantages(torch.tensor(rewards), s2.group_size)
+    if not bool((advantages != 0).any()):
+        return None
+    canvases = torch.tensor([r.final for r in runs])
+    pinned = torch.stack([r.pinned for r in runs])
+    vocab = s.model.text_config.vocab_size
+    corruption = corrupt(canvases, pinned, vocab, torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        ref_logp = token_logprobs(s.reference, group_prompts, canvases, corruption)
+    logp = token_logprobs(s.model, group_prompts, canvases, corruption)
+    # One update per batch of rollouts: the rollout-time policy is the current one, so the ratio starts
+    # at 1 (the clip bounds it if more updates per batch are ever made).
+    rl, parts = grpo_loss(
+        logp,
+        logp.detach(),
+        ref_logp,
+        advantages.to(s.device),
+        corruption.scored.to(s.device),
+        clip=s2.clip,
+        kl_coef=s2.kl_coef,
+    )
+    record |= parts
+    return rl
+
+
+def _summary(record: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k not in ("step", "final"))
+
+
 def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) stage 2 as `cfg` describes; returns where the model went."""
-    s2 = cfg.stage2
     if cfg.model.path is None:
         raise ValueError("stage 2 starts from a trained model: set model.path to a stage-1 checkpoint")
-    device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out_dir = cfg.resolve(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.train.seed)
-    model, tokenizer = _build_model(cfg, device)
+    model, tokenizer, device = prepare(cfg, multi_process=False)
     if tokenizer is None:
         raise ValueError("stage 2 needs the task's tokenizer (data.tokenizer, or tokenizer.json in model.path)")
-    reference = copy.deepcopy(model).eval().requires_grad_(False)  # the teacher and the KL anchor
-    c, vocab = model.config.canvas_length, model.text_config.vocab_size
-    reward = REWARDS[s2.reward](tokenizer)
-    examples, counts = load_jsonl(
-        cfg.resolve(cfg.data.train), tokenizer, vocab_size=vocab, max_length=cfg.data.max_length
-    )
-    eval_examples = None
-    if cfg.data.eval:
-        eval_examples, _ = load_jsonl(
-            cfg.resolve(cfg.data.eval), tokenizer, vocab_size=vocab, max_length=cfg.data.max_length
-        )
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    c = model.config.canvas_length
+    examples, eval_examples, counts = load_data(cfg, tokenizer, model.text_config.vocab_size)
     long = [e.line for e in examples if len(e.response) > c]
     if long:
         raise ValueError(
             f"stage 2 uses single-canvas records; {len(long)} responses exceed {c} tokens (line {long[0]})"
         )
-    _log(
-        f"data: {len(examples)} records ({counts})"
-        + (f", {len(eval_examples)} for evaluation" if eval_examples else "")
+    held_out = f", {len(eval_examples)} for evaluation" if eval_examples else ""
+    print0(f"data: {len(examples)} records ({counts}){held_out}")
+    s = _Stage2(cfg, model, reference, REWARDS[cfg.stage2.reward](tokenizer), examples, device)
+    run = start_run(cfg, model, tokenizer)
+
+    def evaluate() -> dict:
+        return evaluate_policy(model, eval_examples, s.reward, cfg, cfg.stage2.eval_prompts, cfg.train.seed)
+
+    def report_final(metrics: dict) -> None:
+        record = {"step": cfg.train.steps, "final": True} | metrics
+        print0("after stage 2: " + _summary(record))
+        append_log(run.log_path, record)
+
+    if run.start == 0 and eval_examples:  # the stage-1 model's scores, as step 0
+        record = {"step": 0} | evaluate()
+        print0("before stage 2: " + _summary(record))
+        append_log(run.log_path, record)
+    return loop(
+        run,
+        lambda step: _step(s, step),
+        evaluate=evaluate if eval_examples else None,
+        report_final=report_final,
+        progress=progress,
+        stop_after=stop_after,
     )
-
-    for layer in model.layers:
-        if layer.router is not None and cfg.train.freeze_router:
-            layer.router.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    o = cfg.optim
-    optimizer, scheduler = _optimizer(cfg, params)
-    start = _resume(cfg, out_dir, model, optimizer, scheduler)
-    log_path = out_dir / "log.jsonl"
-    _truncate_log(log_path, start)
-    if start == 0 and eval_examples:
-        record = {"step": 0} | evaluate_policy(model, eval_examples, reward, cfg, s2.eval_prompts, cfg.train.seed)
-        _log("before stage 2: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step"))
-        with log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    show = progress if progress is not None else sys.stderr.isatty()
-    bar = _ProgressBar(cfg.train.steps, start) if show else None
-    losses: list[float] = []
-    end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        seed = _seed(cfg.train.seed, step)
-        pairs = batch_indices(step, s2.prompts_per_step, len(examples), cfg.train.seed)
-        chosen = [examples[e] for _, e in pairs]
-        prompts = [e.prompt for e in chosen]
-        references = [e.response[:c] for e in chosen]
-        pins = pins_for([e.pinned for e in chosen], [e.response for e in chosen], c)
-        g = s2.group_size
-        model.eval()
-        group_prompts = [p for p in prompts for _ in range(g)]
-        runs = rollout(model, group_prompts, pins.repeat_interleave(g, 0), seed=seed, **s2.sampling)
-        rewards = [reward(r.prompt, r.final, references[i // g]) for i, r in enumerate(runs)]
-        record: dict = {"step": step + 1}
-        record |= reward_stats(rewards)
-        record["steps_per_canvas"] = statistics.fmean(r.steps for r in runs)
-        record["tokens_per_forward"] = statistics.fmean(r.tokens_per_forward for r in runs)
-        model.train()
-        loss = torch.zeros((), device=device)
-        if s2.distill_weight > 0:
-            if s2.distill_target == "teacher":
-                targets, teacher_rewards = teacher_targets(
-                    reference, prompts, pins, references, reward, s2.target_threshold, seed=seed, **s2.teacher_sampling
-                )
-                for i in range(len(prompts)):  # the teacher failed: a verified group member instead
-                    if targets[i] is None:
-                        best = max(range(i * g, (i + 1) * g), key=lambda k: rewards[k])
-                        if rewards[best] >= s2.target_threshold:
-                            targets[i] = runs[best].final
-                per_run = [targets[i // g] for i in range(len(runs))]
-                record["teacher_solved"] = sum(w >= s2.target_threshold for w in teacher_rewards) / len(prompts)
-            elif s2.distill_target == "reference":  # the record's answer, from every state of every rollout
-                per_run = [references[i // g] for i in range(len(runs))]
-            else:  # each verified rollout's own end: from every state it visited, predict where it arrived
-                per_run = [r.final if w >= s2.target_threshold else None for r, w in zip(runs, rewards, strict=True)]
-            distill, used = distillation_loss(
-                model,
-                runs,
-                per_run,
-                states_per_trajectory=s2.states_per_trajectory,
-                generator=torch.Generator().manual_seed(seed),
-            )
-            loss = loss + s2.distill_weight * distill
-            record["distill_loss"] = float(distill.detach())
-            record["distill_states"] = used
-        if s2.rl_weight > 0:
-            advantages = group_advantages(torch.tensor(rewards), g)
-            if bool((advantages != 0).any()):
-                canvases = torch.tensor([r.final for r in runs])
-                pinned = torch.stack([r.pinned for r in runs])
-                corruption = corrupt(canvases, pinned, vocab, torch.Generator().manual_seed(seed + 1))
-                with torch.no_grad():
-                    ref_logp = token_logprobs(reference, group_prompts, canvases, corruption)
-                logp = token_logprobs(model, group_prompts, canvases, corruption)
-                # One update per batch of rollouts: the rollout-time policy is the current one, so the
-                # ratio starts at 1 (the clip bounds it if more updates per batch are ever made).
-                rl, parts = grpo_loss(
-                    logp,
-                    logp.detach(),
-                    ref_logp,
-                    advantages.to(device),
-                    corruption.scored.to(device),
-                    clip=s2.clip,
-                    kl_coef=s2.kl_coef,
-                )
-                loss = loss + s2.rl_weight * rl
-                record |= parts
-        if loss.requires_grad:
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
-        else:  # no verified rollout and no advantage this step: nothing to learn, the schedule moves on
-            grad_norm = 0.0
-        loss_value = float(loss.detach())
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise TrainingDiverged(
-                f"step {step + 1}: loss {loss_value}, gradient norm {grad_norm} (try a lower optim.lr)"
-            )
-        record["lr"] = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        record |= {"loss": loss_value, "grad_norm": grad_norm, "seconds": time.perf_counter() - t0}
-        losses.append(loss_value)
-        done = step + 1
-        if eval_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0:
-            record |= evaluate_policy(model, eval_examples, reward, cfg, s2.eval_prompts, cfg.train.seed)
-        with log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if bar:
-            bar.update(record)
-        if done % cfg.train.save_every == 0 or done in (cfg.train.steps, end):
-            _save_checkpoint(out_dir, done, model, optimizer, scheduler, cfg, model, tokenizer)
-    if bar:
-        bar.close()
-    if end < cfg.train.steps:
-        return TrainResult(out_dir, out_dir / "final", end, losses, None)
-    if eval_examples and (not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every):
-        record = {"step": cfg.train.steps, "final": True}
-        record |= evaluate_policy(model, eval_examples, reward, cfg, s2.eval_prompts, cfg.train.seed)
-        _log("after stage 2: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k not in ("step", "final")))
-        with log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-    final = _export_final(out_dir, cfg, start)
-    return TrainResult(out_dir, final, cfg.train.steps, losses, None)
 
 
 def log_records(out_dir: Path) -> list[dict]:

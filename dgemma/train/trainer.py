@@ -1,14 +1,22 @@
-"""The training loop: flat and visible. One optimizer step:
+"""The training loop, shared by both stages, and stage 1 (block diffusion) on top of it.
 
-    for each micro-batch of this process's share of the global batch:
-        loss = block_diffusion_loss(model, batch) / accumulation;  loss.backward()
-    clip gradients; AdamW step; warmup + cosine learning rate; log one JSON line
+A stage builds its model and data (`prepare`, `load_data`), the optimizer and the resumed state
+(`start_run`), then hands `loop` its step as a function, as mlx-lm's `train` takes its loss:
 
-Checkpoints hold the weights (or the LoRA adapter), the optimizer and scheduler, the step and the random
-states; they are written to a temporary directory and renamed into place, so a crash never leaves a torn
-one. The data position and every sample's noise are functions of the step, so a resumed run computes
-exactly the losses the uninterrupted run would have. Under `torchrun`, the model is sharded with FSDP2
-(`fully_shard`) and each process takes its slice of the global batch.
+    for step in range(start, train.steps):
+        result = step_fn(step)                  # forward + backward; the stage's own metrics
+        clip gradients; stop on a NaN or infinite loss or gradient (TrainingDiverged)
+        AdamW step; warmup + cosine learning rate
+        every train.eval_every steps: evaluate()     (its metrics join the step's record)
+        every train.log_every steps: one JSON line in out_dir/log.jsonl; the progress bar
+        every train.save_every steps and at the end: a checkpoint (checkpoint.py)
+    evaluate() once more unless the last step just did; out_dir/final: the last checkpoint's model
+
+Stage 1 (`train`, here) passes the block-diffusion step: for each micro-batch of this process's share of
+the global batch, loss = block_diffusion_loss(model, batch) / accumulation; loss.backward(). Stage 2
+(stage2.py) passes rollout + distillation + GRPO. The data position and every sample's noise are
+functions of the step, so a resumed run computes exactly the losses the uninterrupted run would have.
+Under `torchrun`, the model is sharded with FSDP2 and each process takes its slice of the global batch.
 """
 
 from __future__ import annotations
@@ -18,22 +26,19 @@ import dataclasses
 import difflib
 import json
 import math
-import os
-import random
-import shutil
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..config import DiffusionGemmaConfig, TextConfig, preset
 from ..model import DiffusionGemma, build
 from ..tokenizer import Tokenizer
-from ..weights import load, resolve_dtype, save
+from ..weights import load, resolve_dtype
+from . import checkpoint, distributed, lora
 from .config import TrainConfig
 from .data import Example, batch_indices, load_jsonl
 from .lora import apply_lora
@@ -48,6 +53,8 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class TrainResult:
+    """Where a training call left the run."""
+
     out_dir: Path
     final_dir: Path
     steps: int
@@ -55,20 +62,55 @@ class TrainResult:
     eval_loss: float | None
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+@dataclass
+class StepResult:
+    """What a stage's step function returns, after its backward pass."""
+
+    loss: float  # the step's training loss: checked for NaN, logged as "loss"
+    metrics: dict  # logged after "step" and before "lr" (stage 1 puts "loss" here, to log it first)
+    tokens: float | None = None  # tokens trained on, for the log's tokens_per_s
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+@dataclass
+class Run:
+    """A training run ready for `loop`: the model, its optimizer and where it continues from."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module  # what is trained (a peft model under LoRA, possibly sharded)
+    tokenizer: Tokenizer | None
+    out_dir: Path
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    start: int  # the step to continue from (0: a fresh run)
+
+    @property
+    def log_path(self) -> Path:
+        return self.out_dir / "log.jsonl"
 
 
-def _log(*args) -> None:
-    if _rank() == 0:
-        print(*args, file=sys.stderr, flush=True)
+# -- setup shared by the stages --------------------------------------------------------------------
 
 
-def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, Tokenizer | None]:
+def prepare(cfg: TrainConfig, *, multi_process: bool = True) -> tuple[DiffusionGemma, Tokenizer | None, torch.device]:
+    """The device (and, under torchrun with `multi_process`, the process group), out_dir, the seeded
+    model in training mode with its router frozen as configured, and the tokenizer."""
+    device = distributed.init(cfg.train.device, multi_process=multi_process)
+    if distributed.rank() == 0:
+        cfg.resolve(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.train.seed)
+    model, tokenizer = build_model(cfg, device)
+    model.train()
+    model.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if cfg.train.freeze_router:
+        for layer in model.layers:
+            if layer.router is not None:
+                layer.router.requires_grad_(False)
+    return model, tokenizer, device
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, Tokenizer | None]:
+    """The model to train (a checkpoint, or a preset with the recipe's overrides) and its tokenizer."""
     dtype = resolve_dtype(cfg.model.dtype)
     tok_dir = cfg.resolve(cfg.data.tokenizer) or cfg.resolve(cfg.model.path)
     tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
@@ -106,7 +148,27 @@ def _check_overrides(overrides: dict, text: dict) -> None:
             raise ValueError(f"model.overrides: {key!r} is not a text_config field{hint}")
 
 
-def _lr_factor(step: int, cfg: TrainConfig) -> float:
+def load_data(
+    cfg: TrainConfig, tokenizer: Tokenizer | None, vocab_size: int
+) -> tuple[list[Example], list[Example] | None, dict[str, int]]:
+    """The training examples, the evaluation examples (None without data.eval), and the training file's
+    counts of kept, truncated and skipped records."""
+
+    def read(path: str) -> tuple[list[Example], dict[str, int]]:
+        return load_jsonl(
+            cfg.resolve(path),
+            tokenizer,
+            vocab_size=vocab_size,
+            max_length=cfg.data.max_length,
+            use_chat_template=cfg.data.chat_template,
+        )
+
+    examples, counts = read(cfg.data.train)
+    held_out = read(cfg.data.eval)[0] if cfg.data.eval else None
+    return examples, held_out, counts
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio at the last step."""
     o, total = cfg.optim, cfg.train.steps
     if step < o.warmup_steps:
@@ -115,321 +177,114 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
     return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _state_dicts(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, optimizer, options=opts)
-
-
-def _save_checkpoint(out_dir: Path, step: int, model, optimizer, scheduler, cfg: TrainConfig, base, tokenizer) -> Path:
-    """Write checkpoint-STEP atomically (temp dir + rename) and point `latest` at it."""
-    model_state, optim_state = _state_dicts(model, optimizer)
-    if _rank() != 0:
-        dist.barrier()
-        return out_dir / f"checkpoint-{step}"
-    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".checkpoint-{step}."))
-    try:
-        _save_weights(tmp / "model", model_state, cfg, base, tokenizer)
-        torch.save(
-            {
-                "optimizer": optim_state,
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "config": cfg.to_dict(),
-            },
-            tmp / "trainer_state.pt",
-        )
-        final = out_dir / f"checkpoint-{step}"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    latest_tmp = out_dir / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, out_dir / "latest")
-    checkpoints = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    for old in checkpoints[: -cfg.train.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
-
-
-def _save_weights(directory: Path, state: dict, cfg: TrainConfig, base: DiffusionGemma, tokenizer) -> None:
-    """A loadable model directory: the full checkpoint, or the adapter (peft format)."""
-    if cfg.lora is not None:  # `base` is the PeftModel: its own saver writes the standard adapter files
-        base.save_pretrained(str(directory), state_dict=state)
-        return
-    with torch.device("meta"):
-        shell = DiffusionGemma(base.config)
-    shell.load_state_dict(state, assign=True)
-    shell.generation_config = base.generation_config
-    save(shell, directory)
-    if tokenizer is not None:
-        tokenizer.save(directory)
-
-
-def _load_checkpoint(path: Path, model, optimizer, scheduler, cfg: TrainConfig) -> int:
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
-    if cfg.lora is not None:
-        weights = load_file(str(path / "model" / "adapter_model.safetensors"))
-        current, _ = _state_dicts(model, optimizer)
-        model_state = dict(current)
-        for key in current:
-            if "lora_" in key:
-                short = key.replace(".default.weight", ".weight")
-                model_state[key] = weights[short]
-    else:
-        loaded = load(path / "model", dtype=resolve_dtype(cfg.model.dtype))
-        model_state = loaded.state_dict()
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
-    )
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    return int(state["step"])
-
-
-def _optimizer(cfg: TrainConfig, params: list) -> tuple:
-    """AdamW over `params` and its schedule (linear warmup, cosine decay; see _lr_factor)."""
+def make_optimizer(cfg: TrainConfig, params: list) -> tuple:
+    """AdamW over `params` and its schedule (linear warmup, cosine decay; see lr_factor)."""
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
 
 
-def _resume(cfg: TrainConfig, out_dir: Path, model, optimizer, scheduler) -> int:
-    """Load the latest checkpoint of out_dir when resuming is on; the step to continue from (0: none)."""
-    latest = out_dir / "latest"
-    if not (cfg.train.resume and latest.is_file()):
-        return 0
-    checkpoint_dir = out_dir / latest.read_text().strip()
-    start = _load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cfg)
-    _log(f"resumed from {checkpoint_dir} at step {start}")
-    return start
-
-
-def _microbatches(indices: list[tuple[int, int]], micro: int) -> list[list[tuple[int, int]]]:
-    return [indices[i : i + micro] for i in range(0, len(indices), micro)]
-
-
-def _batch_loss(model, examples, pairs, cfg, canvas, vocab, eos_id, pad_id, autocast):
-    samples = [draw_sample(examples[e], d, cfg.train.seed, canvas, vocab, cfg.objective) for d, e in pairs]
-    batch = assemble(samples, canvas, eos_id, pad_id, cfg.objective.encoder_targets)
-    with autocast():
-        loss, parts = block_diffusion_loss(model, batch, cfg.objective)
-    return loss, parts, batch.tokens
-
-
-@torch.no_grad()
-def evaluate(
-    model, examples: list[Example], cfg: TrainConfig, canvas: int, vocab: int, eos_id: int, pad_id: int, autocast
-) -> float:
-    """Mean loss over fixed eval draws (the same noise at every evaluation)."""
-    micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // _world())
-    n = min(len(examples), micro * cfg.train.eval_batches)
-    pairs = [(EVAL_DRAW_OFFSET + i, i) for i in range(n)]
-    mine = pairs[_rank() :: _world()]
-    total, count = torch.zeros(2), 0
-    for group in _microbatches(mine, micro):
-        loss, _, _ = _batch_loss(model, examples, group, cfg, canvas, vocab, eos_id, pad_id, autocast)
-        total += torch.tensor([float(loss) * len(group), len(group)])
-        count += len(group)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return float(total[0] / total[1].clamp(min=1))
-
-
-def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | None = None) -> TrainResult:
-    """Run (or resume) the training described by `cfg`; returns where the model went and the losses.
-
-    `stop_after` ends this call after that many steps (a checkpoint is written there), as an interruption
-    would; a later call resumes from it.
-    """
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = torch.device(cfg.train.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda" and distributed:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    world, rank = _world(), _rank()
-    out_dir = cfg.resolve(cfg.train.out_dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-    torch.manual_seed(cfg.train.seed)
-    model, tokenizer = _build_model(cfg, device)
-    model.train()
-    model.gradient_checkpointing = cfg.train.gradient_checkpointing
-    text = model.text_config
-    canvas, vocab = model.config.canvas_length, text.vocab_size
-    eos_id = text.eos_token_ids[0] if text.eos_token_ids else 1
-    pad_id = text.pad_token_id if text.pad_token_id is not None else 0
-
-    max_length = cfg.data.max_length
-    train_examples, counts = load_jsonl(
-        cfg.resolve(cfg.data.train),
-        tokenizer,
-        vocab_size=vocab,
-        max_length=max_length,
-        use_chat_template=cfg.data.chat_template,
-    )
-    eval_examples = None
-    if cfg.data.eval:
-        eval_examples, _ = load_jsonl(
-            cfg.resolve(cfg.data.eval),
-            tokenizer,
-            vocab_size=vocab,
-            max_length=max_length,
-            use_chat_template=cfg.data.chat_template,
-        )
-    _log(
-        f"data: {len(train_examples)} training examples ({counts})"
-        + (f", {len(eval_examples)} for evaluation" if eval_examples else "")
-    )
-
-    if cfg.train.freeze_router:
-        for layer in model.layers:
-            if layer.router is not None:
-                layer.router.requires_grad_(False)
-    base = model
-    if cfg.lora is not None:
-        base = model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
-    if distributed:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        root = model.base_model.model if cfg.lora is not None else model  # the DiffusionGemma itself
-        for layer in root.layers:
-            fully_shard(layer)
-        fully_shard(root)
-        # The stack is driven through these methods, not forward(): gather its root parameters around them.
-        for method in ("encode", "denoise", "soft_embedding", "lm_head"):
-            register_fsdp_forward_method(root, method)
-
-    micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
-    if cfg.train.batch_size % (micro * world):
-        raise ValueError(
-            f"train.batch_size ({cfg.train.batch_size}) must be a multiple of micro_batch_size "
-            f"({micro}) x processes ({world})"
-        )
-    accumulation = cfg.train.batch_size // (micro * world)
-
+def start_run(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Tokenizer | None) -> Run:
+    """AdamW over the model's trainable parameters, resumed from out_dir's latest checkpoint when there
+    is one (and resuming is on), with the log cut back to that step."""
     params = [p for p in model.parameters() if p.requires_grad]
-    o = cfg.optim
-    optimizer, scheduler = _optimizer(cfg, params)
-    use_bf16 = cfg.train.bf16 if cfg.train.bf16 is not None else device.type == "cuda"
+    optimizer, scheduler = make_optimizer(cfg, params)
+    out_dir = cfg.resolve(cfg.train.out_dir)
+    start = checkpoint.resume(cfg, out_dir, model, optimizer, scheduler)
+    run = Run(cfg, model, tokenizer, out_dir, params, optimizer, scheduler, start)
+    if distributed.rank() == 0:
+        truncate_log(run.log_path, start)
+    return run
 
-    def autocast():
-        if use_bf16:
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
-    start = _resume(cfg, out_dir, model, optimizer, scheduler)
-    log_path = out_dir / "log.jsonl"
-    if rank == 0:
-        _truncate_log(log_path, start)
+# -- the loop ---------------------------------------------------------------------------------------
 
-    show = (progress if progress is not None else sys.stderr.isatty()) and rank == 0
-    bar = _ProgressBar(cfg.train.steps, start) if show else None
+
+def loop(
+    run: Run,
+    step_fn: Callable[[int], StepResult],
+    *,
+    evaluate: Callable[[], dict] | None = None,
+    report_final: Callable[[dict], None] | None = None,
+    progress: bool | None = None,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Train `run` from its start step to train.steps, `step_fn(step)` computing each step's gradients.
+
+    `evaluate` (None: no evaluation data) returns metrics: every train.eval_every steps they join that
+    step's record, and after the last step (unless it just evaluated) they go to `report_final`. A
+    metric named eval_loss becomes the result's. `stop_after` ends this call after that many steps (a
+    checkpoint is written there), as an interruption would; a later call resumes from it.
+    """
+    cfg, t = run.cfg, run.cfg.train
+    show = (progress if progress is not None else sys.stderr.isatty()) and distributed.rank() == 0
+    bar = ProgressBar(t.steps, run.start) if show else None
     losses: list[float] = []
-    last_checkpoint = None
-    eval_loss = None
-    end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        pairs = batch_indices(step, cfg.train.batch_size, len(train_examples), cfg.train.seed)
-        mine = pairs[rank * micro * accumulation : (rank + 1) * micro * accumulation]
-        totals = torch.zeros(4)  # loss, diffusion loss, encoder loss, tokens
-        for group in _microbatches(mine, micro):
-            loss, parts, tokens = _batch_loss(
-                model, train_examples, group, cfg, canvas, vocab, eos_id, pad_id, autocast
-            )
-            (loss / accumulation).backward()
-            totals += torch.tensor([parts["loss"], parts["diffusion_loss"], parts["encoder_loss"], 0.0]) / accumulation
-            totals[3] += tokens
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-            totals[:3] /= world
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        loss_value = float(totals[0])
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
-            raise TrainingDiverged(
-                f"step {step + 1}: the loss is {loss_value} and the gradient norm {grad_norm}; "
-                f"stopping without saving{where} (try a lower optim.lr)"
-            )
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_value)
-        seconds = time.perf_counter() - t0
-        record = {
-            "step": step + 1,
-            "loss": loss_value,
-            "diffusion_loss": float(totals[1]),
-            "encoder_loss": float(totals[2]),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": float(totals[3]) / seconds,
-            "seconds": seconds,
-        }
-        done = step + 1
-        if eval_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0:
-            model.eval()
-            record["eval_loss"] = eval_loss = evaluate(
-                model, eval_examples, cfg, canvas, vocab, eos_id, pad_id, autocast
-            )
-            model.train()
-        if rank == 0 and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
-            with log_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+    last_checkpoint, eval_loss = None, None
+    end = t.steps if stop_after is None else min(t.steps, run.start + stop_after)
+    try:
+        for step in range(run.start, end):
+            record = _optimizer_step(run, step_fn, step, last_checkpoint)
+            losses.append(record["loss"])
+            done = step + 1
+            if evaluate and t.eval_every and done % t.eval_every == 0:
+                record |= evaluate()
+                eval_loss = record.get("eval_loss", eval_loss)
+            if distributed.rank() == 0 and (done % t.log_every == 0 or done == t.steps):
+                append_log(run.log_path, record)
+            if bar:
+                bar.update(record)
+            if done % t.save_every == 0 or done in (t.steps, end):
+                last_checkpoint = checkpoint.save(
+                    run.out_dir, done, run.model, run.optimizer, run.scheduler, cfg, run.tokenizer
+                )
+    finally:
         if bar:
-            bar.update(record)
-        if done % cfg.train.save_every == 0 or done in (cfg.train.steps, end):
-            last_checkpoint = _save_checkpoint(out_dir, done, model, optimizer, scheduler, cfg, base, tokenizer)
-    if bar:
-        bar.close()
-    if end < cfg.train.steps:  # interrupted on purpose: no final evaluation or export yet
-        return TrainResult(out_dir, out_dir / "final", end, losses, eval_loss)
-    if eval_examples and (not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every):
-        model.eval()
-        eval_loss = evaluate(model, eval_examples, cfg, canvas, vocab, eos_id, pad_id, autocast)
-        _log(f"eval loss {eval_loss:.4f}")
-    final = _export_final(out_dir, cfg, start)
-    return TrainResult(out_dir, final, cfg.train.steps, losses, eval_loss)
+            bar.close()
+    if end < t.steps:  # interrupted on purpose: no final evaluation or export yet
+        return TrainResult(run.out_dir, run.out_dir / "final", end, losses, eval_loss)
+    if evaluate and (not t.eval_every or t.steps % t.eval_every):
+        metrics = evaluate()
+        eval_loss = metrics.get("eval_loss", eval_loss)
+        if report_final:
+            report_final(metrics)
+    return TrainResult(run.out_dir, checkpoint.export(run.out_dir), t.steps, losses, eval_loss)
 
 
-def _export_final(out_dir: Path, cfg: TrainConfig, start: int) -> Path:
-    """out_dir/final: a copy of the last checkpoint's model directory (a checkpoint or an adapter)."""
-    final = out_dir / "final"
-    if _rank() == 0:
-        latest = out_dir / (out_dir / "latest").read_text().strip() / "model"
-        tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".final."))
-        shutil.rmtree(tmp)
-        shutil.copytree(latest, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+def _optimizer_step(run: Run, step_fn: Callable[[int], StepResult], step: int, last_checkpoint) -> dict:
+    """One step: the stage's gradients, clipped, then AdamW and the schedule; returns the log record."""
+    t0 = time.perf_counter()
+    result = step_fn(step)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, run.cfg.optim.grad_clip)  # 0 without gradients
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
+        where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
+        raise TrainingDiverged(
+            f"step {step + 1}: the loss is {result.loss} and the gradient norm {grad_norm}; "
+            f"stopping without saving{where} (try a lower optim.lr)"
+        )
+    lr = run.scheduler.get_last_lr()[0]  # the rate this step uses
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    record = {"step": step + 1} | result.metrics
+    record["lr"] = lr
+    record["loss"] = result.loss  # a key the metrics already hold keeps its place
+    record["grad_norm"] = grad_norm
+    if result.tokens is not None:
+        record["tokens_per_s"] = result.tokens / seconds
+    record["seconds"] = seconds
+    return record
 
 
-def _truncate_log(path: Path, step: int) -> None:
+def append_log(path: Path, record: dict) -> None:
+    """One JSON line in the run's log."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(path: Path, step: int) -> None:
     """Keep the log lines of steps <= `step` (a resumed run rewrites what follows)."""
     if not path.is_file():
         return
@@ -437,8 +292,8 @@ def _truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-class _ProgressBar:
-    """step / total, loss, tokens/s and ETA on one terminal line (rich)."""
+class ProgressBar:
+    """step / total, loss, tokens/s (when the stage counts tokens) and ETA on one terminal line (rich)."""
 
     def __init__(self, total: int, start: int):
         from rich.console import Console
@@ -456,10 +311,138 @@ class _ProgressBar:
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
 
     def update(self, record: dict) -> None:
-        info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
+        info = f"loss {record['loss']:.4f}"
+        if "tokens_per_s" in record:
+            info += f"  {record['tokens_per_s']:.0f} tok/s"
         if "eval_loss" in record:
             info += f"  eval {record['eval_loss']:.4f}"
         self.progress.update(self.task, advance=1, info=info)
 
     def close(self) -> None:
         self.progress.stop()
+
+
+# -- stage 1: block diffusion ----------------------------------------------------------------------
+
+
+@dataclass
+class Batches:
+    """Stage 1's data and how a step splits it: micro-batches of block-diffusion samples."""
+
+    cfg: TrainConfig
+    train: list[Example]
+    eval: list[Example] | None
+    canvas: int
+    vocab: int
+    eos_id: int
+    pad_id: int
+    micro: int  # examples per forward pass, in each process
+    accumulation: int  # micro-batches per optimizer step, in each process
+    use_bf16: bool
+    device_type: str
+
+    def autocast(self):
+        if self.use_bf16:
+            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def split(self, pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        return [pairs[i : i + self.micro] for i in range(0, len(pairs), self.micro)]
+
+
+def _batches(cfg: TrainConfig, model: DiffusionGemma, tokenizer: Tokenizer | None, device: torch.device) -> Batches:
+    """Load stage 1's data and check that the global batch divides into micro-batches and processes."""
+    text = model.text_config
+    examples, held_out, counts = load_data(cfg, tokenizer, text.vocab_size)
+    distributed.print0(
+        f"data: {len(examples)} training examples ({counts})"
+        + (f", {len(held_out)} for evaluation" if held_out else "")
+    )
+    world = distributed.world_size()
+    micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
+    if cfg.train.batch_size % (micro * world):
+        raise ValueError(
+            f"train.batch_size ({cfg.train.batch_size}) must be a multiple of micro_batch_size "
+            f"({micro}) x processes ({world})"
+        )
+    return Batches(
+        cfg,
+        examples,
+        held_out,
+        canvas=model.config.canvas_length,
+        vocab=text.vocab_size,
+        eos_id=text.eos_token_ids[0] if text.eos_token_ids else 1,
+        pad_id=text.pad_token_id if text.pad_token_id is not None else 0,
+        micro=micro,
+        accumulation=cfg.train.batch_size // (micro * world),
+        use_bf16=cfg.train.bf16 if cfg.train.bf16 is not None else device.type == "cuda",
+        device_type=device.type,
+    )
+
+
+def _batch_loss(model, b: Batches, examples: list[Example], pairs: list[tuple[int, int]]):
+    """The block-diffusion loss of one micro-batch: (loss, its parts, the number of tokens)."""
+    cfg = b.cfg
+    samples = [draw_sample(examples[e], d, cfg.train.seed, b.canvas, b.vocab, cfg.objective) for d, e in pairs]
+    batch = assemble(samples, b.canvas, b.eos_id, b.pad_id, cfg.objective.encoder_targets)
+    with b.autocast():
+        loss, parts = block_diffusion_loss(model, batch, cfg.objective)
+    return loss, parts, batch.tokens
+
+
+@torch.no_grad()
+def evaluate(model, b: Batches) -> float:
+    """Mean loss over fixed draws of the evaluation examples (the same noise at every evaluation)."""
+    rank, world = distributed.rank(), distributed.world_size()
+    n = min(len(b.eval), b.micro * b.cfg.train.eval_batches)
+    pairs = [(EVAL_DRAW_OFFSET + i, i) for i in range(n)]
+    total = torch.zeros(2)
+    for group in b.split(pairs[rank::world]):
+        loss, _, _ = _batch_loss(model, b, b.eval, group)
+        total += torch.tensor([float(loss) * len(group), len(group)])
+    distributed.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _diffusion_step(model, b: Batches, step: int) -> StepResult:
+    """Stage 1's step: the gradients of this process's share of the step's batch, accumulated over
+    micro-batches (the data and every sample's noise are functions of the step)."""
+    rank, world, share = distributed.rank(), distributed.world_size(), b.micro * b.accumulation
+    pairs = batch_indices(step, b.cfg.train.batch_size, len(b.train), b.cfg.train.seed)
+    totals = torch.zeros(4)  # loss, diffusion loss, encoder loss, tokens
+    for group in b.split(pairs[rank * share : (rank + 1) * share]):
+        loss, parts, tokens = _batch_loss(model, b, b.train, group)
+        (loss / b.accumulation).backward()
+        totals += torch.tensor([parts["loss"], parts["diffusion_loss"], parts["encoder_loss"], 0.0]) / b.accumulation
+        totals[3] += tokens
+    distributed.all_reduce(totals)
+    totals[:3] /= world  # the mean loss over processes; tokens stay a sum
+    metrics = {"loss": float(totals[0]), "diffusion_loss": float(totals[1]), "encoder_loss": float(totals[2])}
+    return StepResult(metrics["loss"], metrics, tokens=float(totals[3]))
+
+
+def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) the stage-1 training described by `cfg`; returns where the model went and the
+    losses. `stop_after` ends this call after that many steps (see `loop`); a later call resumes."""
+    model, tokenizer, device = prepare(cfg)
+    b = _batches(cfg, model, tokenizer, device)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+    if distributed.is_launched():
+        distributed.shard(lora.base_model(model))
+    run = start_run(cfg, model, tokenizer)
+
+    def evaluate_now() -> dict:
+        model.eval()
+        metrics = {"eval_loss": evaluate(model, b)}
+        model.train()
+        return metrics
+
+    return loop(
+        run,
+        lambda step: _diffusion_step(model, b, step),
+        evaluate=evaluate_now if b.eval else None,
+        report_final=lambda metrics: distributed.print0(f"eval loss {metrics['eval_loss']:.4f}"),
+        progress=progress,
+        stop_after=stop_after,
+    )
