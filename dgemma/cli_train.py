@@ -42,18 +42,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
+    from .cli_common import options_or_positionals
     from .train.lora import load_adapter
     from .weights import load, save
 
-    base = Path(args.base)
+    flags = {"--model": args.model_option, "--adapter": args.adapter_option, "--out": args.out_option}
+    base, adapter, out = options_or_positionals(flags, [args.base, args.adapter, args.out])
+    if out is None:
+        raise ValueError("merge needs the base checkpoint, the adapter and where to write: --model, --adapter, --out")
     model = load(base, dtype=args.dtype)
-    merged = load_adapter(model, args.adapter, merge=True)
-    out = Path(args.out)
+    merged = load_adapter(model, adapter, merge=True)
     save(merged, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (base / name).is_file():
             shutil.copy(base / name, out / name)
-    print(f"merged {args.adapter} into {base}: {out}", file=sys.stderr)
+    print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
     return 0
 
 
@@ -78,8 +81,17 @@ def register(sub) -> None:
         description="Add a LoRA adapter's deltas to its base weights and write a checkpoint that "
         "loads without the adapter (tokenizer files are copied along).",
     )
-    m.add_argument("base", type=Path, help="the base checkpoint directory")
-    m.add_argument("adapter", type=Path, help="the adapter directory (adapter_config.json, adapter_model.safetensors)")
-    m.add_argument("out", type=Path, help="where to write the merged checkpoint")
+    m.add_argument("--model", "-m", dest="model_option", type=Path, default=None, help="the base checkpoint directory")
+    m.add_argument(
+        "--adapter",
+        dest="adapter_option",
+        type=Path,
+        default=None,
+        help="the adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
+    m.add_argument("--out", dest="out_option", type=Path, default=None, help="where to write the merged checkpoint")
+    m.add_argument("base", nargs="?", type=Path, metavar="BASE", help="the same as --model BASE")
+    m.add_argument("adapter", nargs="?", type=Path, metavar="ADAPTER", help="the same as --adapter ADAPTER")
+    m.add_argument("out", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
     m.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     m.set_defaults(func=cmd_merge)

@@ -240,7 +240,7 @@ def test_one_flag_name_per_knob_in_every_command():
     assert {dest: n for dest, n in names.items() if len(n) > 1} == {}
     # every command that loads a model takes it as --model (train reads it from its YAML config)
     takes_model = {command for _, command in flags_of["model"]}
-    assert takes_model >= set(_subcommands()) - {"train", "merge"}
+    assert takes_model >= set(_subcommands()) - {"train"}
     assert {command for _, command in flags_of["json"]} >= {
         "info",
         "generate",

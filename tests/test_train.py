@@ -489,6 +489,11 @@ def test_cli_lora_on_transformers_checkpoint_then_generate_with_adapter(moe_ckpt
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] <= 4
     assert main(["merge", str(base), str(tmp_path / "run" / "final"), str(tmp_path / "merged")]) == 0
     assert main(["generate", "-m", str(tmp_path / "merged"), *args]) == 0
+    flags = ["--model", str(base), "--adapter", str(tmp_path / "run" / "final"), "--out", str(tmp_path / "m2")]
+    assert main(["merge", *flags]) == 0  # the same with the flags every command takes
+    merged = (tmp_path / "merged" / "model.safetensors").read_bytes()
+    assert (tmp_path / "m2" / "model.safetensors").read_bytes() == merged
+    assert main(["merge", "--model", str(base)]) == 2 and "--adapter, --out" in capsys.readouterr().err
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
