@@ -178,6 +178,12 @@ def test_stage2_progress_bar_runs(records, tmp_path, capsys):
     assert result.steps == 1 and "1/" in capsys.readouterr().err
 
 
+def test_stage2_refuses_torchrun(records, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: every process would write the same files
+    with pytest.raises(ValueError, match="stage 2 runs in one process"):
+        train_stage2(_config(records, tmp_path / "t"), progress=False)
+
+
 def test_stage2_cli_and_config_errors(records, tmp_path, capsys):
     from dgemma.cli import main
 

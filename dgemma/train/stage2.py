@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..model import DiffusionGemma
+from . import distributed
 from .config import TrainConfig
 from .data import Example, batch_indices
 from .distill import Trajectory, distillation_loss, pins_for, rollout, teacher_targets
@@ -178,6 +179,8 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
     """Run (or resume) stage 2 as `cfg` describes; returns where the model went."""
     if cfg.model.path is None:
         raise ValueError("stage 2 starts from a trained model: set model.path to a stage-1 checkpoint")
+    if distributed.is_launched():  # each process would train on its own and write the same files
+        raise ValueError("stage 2 runs in one process: start it with `dgemma train CONFIG`, not torchrun")
     model, tokenizer, device = prepare(cfg, multi_process=False)
     if tokenizer is None:
         raise ValueError("stage 2 needs the task's tokenizer (data.tokenizer, or tokenizer.json in model.path)")
