@@ -83,7 +83,7 @@ def train_toy(steps: int, seed: int = 0) -> tuple[dgemma.DiffusionGemma, dict]:
         with torch.no_grad():
             first = model.denoise(noisy, cache)
         use_sc = torch.rand(64, generator=g) < 0.5
-        logits = model.denoise(noisy, cache, first, self_conditioning_mask=use_sc)
+        logits = model.denoise(noisy, cache, model.soft_embedding(first) * use_sc[:, None, None])
         loss = F.cross_entropy(logits.reshape(-1, 32), answers.reshape(-1))
         opt.zero_grad()
         loss.backward()

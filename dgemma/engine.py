@@ -256,16 +256,14 @@ class Engine:
         embeds = []
         m = self.model.text_config.hidden_size
         for call in calls:
-            if call.self_conditioning_logits is not None:
-                embeds.append(self.model.soft_embedding(call.self_conditioning_logits))
-            elif call.self_conditioning_embeds is not None:
-                embeds.append(call.self_conditioning_embeds)
+            if call.self_conditioning is not None:
+                embeds.append(call.self_conditioning)
             else:  # the first step: an exactly-zero signal
                 embeds.append(torch.zeros(*call.tokens.shape, m, dtype=self.model.dtype, device=self.model.device))
         tokens = torch.cat([c.tokens for c in calls])
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
         try:
-            logits = self.model.denoise(tokens, cache, self_conditioning_embeds=torch.cat(embeds))
+            logits = self.model.denoise(tokens, cache, torch.cat(embeds))
         except Exception as e:
             for r in self._active:
                 r.events.put(e)

@@ -98,8 +98,7 @@ class DenoiseCall:
 
     tokens: torch.Tensor  # [b, C]
     cache: KVCache
-    self_conditioning_embeds: torch.Tensor | None = None  # fast mode
-    self_conditioning_logits: torch.Tensor | None = None  # exact mode
+    self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
@@ -278,7 +277,9 @@ class _Loop:
         counted = (~(st.done | finished_rows)).long()
         self.passes += counted
         st.steps += counted
-        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning_logits=st.sc)
+        # the reference embeds its processed logits inside its forward; the same function, here
+        sc = None if st.sc is None else self.model.soft_embedding(st.sc)
+        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning=sc)
         processed = logits / self.temperatures[step]
         t = reference_transition(processed, st.tokens, self.p.entropy_bound)
         tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
@@ -306,7 +307,7 @@ class _Loop:
             sc = None if st.sc is None else st.sc[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
-        logits = yield DenoiseCall(tokens, cache, self_conditioning_embeds=sc)
+        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
         logits.div_(self.temperatures[step])
         t = fast_transition(
             logits,
@@ -496,12 +497,7 @@ def drive(model: DiffusionGemma, loop: Generator, observe=None) -> Iterator[Even
         if isinstance(item, DenoiseCall):
             if observe is not None:
                 observe(item)
-            reply = model.denoise(
-                item.tokens,
-                item.cache,
-                self_conditioning_logits=item.self_conditioning_logits,
-                self_conditioning_embeds=item.self_conditioning_embeds,
-            )
+            reply = model.denoise(item.tokens, item.cache, item.self_conditioning)
         else:
             reply = None
             yield item

@@ -107,36 +107,20 @@ class GraphedDenoise:
         """Drop every captured graph and its buffers."""
         self.entries.clear()
 
-    def _serves(self, cache, canvas_ids, logits, mask) -> bool:
+    def _serves(self, cache, canvas_ids) -> bool:
         return (
             type(cache) is KVCache
             and cache.row_index is None
             and not cache.keep_all
-            and logits is None
-            and mask is None
             and not torch.is_grad_enabled()
             and canvas_ids.device == cache.device
         )
 
-    def __call__(
-        self,
-        canvas_ids: torch.Tensor,
-        cache,
-        self_conditioning_logits: torch.Tensor | None = None,
-        self_conditioning_mask: torch.Tensor | None = None,
-        *,
-        self_conditioning_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not self._serves(cache, canvas_ids, self_conditioning_logits, self_conditioning_mask):
+    def __call__(self, canvas_ids: torch.Tensor, cache, self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._serves(cache, canvas_ids):
             self.fallbacks += 1
-            return _eager(self.model)(
-                canvas_ids,
-                cache,
-                self_conditioning_logits,
-                self_conditioning_mask,
-                self_conditioning_embeds=self_conditioning_embeds,
-            )
-        soft = self_conditioning_embeds
+            return _eager(self.model)(canvas_ids, cache, self_conditioning)
+        soft = self_conditioning
         key = (id(cache), tuple(canvas_ids.shape), None if soft is None else (soft.dtype, tuple(soft.shape)))
         entry = self.entries.get(key)
         if entry is None or entry.cache() is not cache:
@@ -154,7 +138,7 @@ class GraphedDenoise:
 
     def _run(self, entry: _Entry, cache: KVCache) -> torch.Tensor:
         view = StaticCacheView(cache, entry.length)
-        return _eager(self.model)(entry.ids, view, self_conditioning_embeds=entry.soft)
+        return _eager(self.model)(entry.ids, view, entry.soft)
 
     def _record(self, key: tuple, cache: KVCache, canvas_ids: torch.Tensor, soft: torch.Tensor | None) -> _Entry:
         while len(self.entries) >= self.max_graphs:

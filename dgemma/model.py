@@ -369,26 +369,15 @@ class DiffusionGemma(nn.Module):
         self,
         canvas_ids: torch.Tensor,  # [B, T] canvas tokens
         cache: DenoiseCache,  # a KVCache, a view of one, or a StackedCache
-        self_conditioning_logits: torch.Tensor | None = None,  # [B, T, V] previous step's processed logits
-        self_conditioning_mask: torch.Tensor | None = None,  # [B] bool: rows whose signal is kept
-        *,
-        self_conditioning_embeds: torch.Tensor | None = None,  # [B, T, M] = soft_embedding(logits), precomputed
+        self_conditioning: torch.Tensor | None = None,  # [B, T, M] soft_embedding(previous processed logits)
     ) -> torch.Tensor:
         """Bidirectional pass of a canvas over [cached prefix ; canvas]; returns fp32 logits [B, T, V].
 
-        The cache is read, never written. Without a self-conditioning signal (the first step) the signal is
-        exactly zero; `self_conditioning_mask` zeroes it for chosen rows (used in training). The signal may be
-        given as the previous logits or as their soft embedding (which spares a [B, T, V] temporary here).
+        The cache is read, never written. `self_conditioning` is the previous step's signal as its soft
+        embedding (`soft_embedding(logits)`); None is the first step's, exactly zero (as is a row of zeros:
+        training zeroes the signal of some rows that way).
         """
-        embeds = self.embed(canvas_ids)
-        soft = self_conditioning_embeds
-        if self_conditioning_logits is not None:
-            if soft is not None:
-                raise ValueError("pass self_conditioning_logits or self_conditioning_embeds, not both")
-            soft = self.soft_embedding(self_conditioning_logits)
-        if soft is not None and self_conditioning_mask is not None:
-            soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
-        x = self.self_conditioning(embeds, soft)
+        x = self.self_conditioning(self.embed(canvas_ids), self_conditioning)
         positions, masks = cache.prepare_denoise(*canvas_ids.shape)
         hidden = self._run_layers(x, positions, cache, masks, is_encoder=False)
         return self.lm_head(hidden)

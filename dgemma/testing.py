@@ -258,7 +258,7 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     out["logits"] = (ours - ref).abs().max().item()
     sc = (ref / 0.6).to(dtype)  # processed logits of a "previous step", in the embedding dtype
     ref_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas, self_conditioning_logits=sc, **dec_mask(c)).logits
-    out["logits_sc"] = (model.denoise(canvas, cache, sc) - ref_sc).abs().max().item()
+    out["logits_sc"] = (model.denoise(canvas, cache, model.soft_embedding(sc)) - ref_sc).abs().max().item()
     if not commit:
         return out
 
@@ -274,7 +274,7 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     out["logits_canvas2"] = (model.denoise(canvas2, cache) - ref2).abs().max().item()
     sc2 = (ref2 / 0.5).to(dtype)
     ref2_sc = oracle(past_key_values=pkv, decoder_input_ids=canvas2, self_conditioning_logits=sc2, **dec_mask(c)).logits
-    out["logits_canvas2_sc"] = (model.denoise(canvas2, cache, sc2) - ref2_sc).abs().max().item()
+    out["logits_canvas2_sc"] = (model.denoise(canvas2, cache, model.soft_embedding(sc2)) - ref2_sc).abs().max().item()
     return out
 
 

@@ -82,7 +82,7 @@ def rollout(
 
     def record_states(call: DenoiseCall) -> None:
         rows = range(b) if call.cache.row_index is None else call.cache.row_index.tolist()
-        sc = call.self_conditioning_embeds
+        sc = call.self_conditioning
         for k, r in enumerate(rows):
             states[r].append(call.tokens[k].cpu())
             signals[r].append(None if sc is None else sc[k].cpu())
@@ -140,7 +140,7 @@ def distillation_loss(
     if any(x is not None for x in signals):
         zero = torch.zeros(c, model.text_config.hidden_size, dtype=model.dtype)
         soft = torch.stack([zero if x is None else x for x in signals]).to(device)
-    logits = model.denoise(canvas, cache, self_conditioning_embeds=soft)
+    logits = model.denoise(canvas, cache, soft)
     target = torch.tensor([tg for _, tg, _ in items], device=device)
     scored = ~torch.stack([t.pinned for t, _, _ in items]).to(device)
     per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")

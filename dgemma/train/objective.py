@@ -249,7 +249,9 @@ def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConf
         first = model.denoise(batch.noisy, view)
         soft = model.soft_embedding(first)
     logits = model.denoise(
-        batch.noisy, view, self_conditioning_embeds=soft, self_conditioning_mask=batch.self_condition
+        batch.noisy,
+        view,
+        soft * batch.self_condition.to(soft.dtype)[:, None, None],  # off rows: exactly zero
     )
     diff, _ = diffusion_loss(logits, batch, cfg, model.text_config.vocab_size)
     loss = cfg.diffusion_loss_weight * diff + cfg.encoder_loss_weight * ar
