@@ -67,15 +67,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def register(sub) -> None:
-    from .cli_common import add_model_args, positive_int
-    from .server.limits import Limits
+def _non_negative_int(text: str) -> int:
+    value = int(text) if text.lstrip("-").isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
+    return value
 
-    def non_negative_int(text: str) -> int:
-        value = int(text) if text.lstrip("-").isdigit() else -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
-        return value
+
+def register(sub) -> None:
+    from .cli_common import add_model_args
 
     s = sub.add_parser(
         "serve",
@@ -95,8 +95,21 @@ def register(sub) -> None:
         help="require 'Authorization: Bearer KEY' on every route but / and /health (without a key on "
         "loopback, only requests addressed to localhost are answered)",
     )
+    _add_bound_args(s)
+    s.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
+    s.add_argument("--mode", default="fast", choices=["fast", "exact"], help="forward paths (exact: reference)")
+    s.add_argument("--compile", action="store_true", help="torch.compile the denoising pass")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+
+def _add_bound_args(s) -> None:
+    """The flags that bound what requests may cost: batch, queue, time, context, body, headers, shutdown."""
+    from .cli_common import positive_int
+    from .server.limits import Limits
+
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests denoised together (default 8)")
-    s.add_argument("--max-queue", type=non_negative_int, default=64, help="requests waiting before 429 (default 64)")
+    s.add_argument("--max-queue", type=_non_negative_int, default=64, help="requests waiting before 429 (default 64)")
     s.add_argument(
         "--request-timeout",
         type=_positive_float,
@@ -134,8 +147,3 @@ def register(sub) -> None:
         default=10.0,
         help="on SIGTERM, seconds to wait for connections after every request has been ended (default 10)",
     )
-    s.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
-    s.add_argument("--mode", default="fast", choices=["fast", "exact"], help="forward paths (exact: reference)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the denoising pass")
-    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    s.set_defaults(func=cmd_serve)
