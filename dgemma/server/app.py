@@ -251,6 +251,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _role_delta(index: int) -> dict:
+    """A chat stream's first chunk of each choice: the assistant's role."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -305,9 +310,10 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     pieces = runs.run(choices, served.decode, http.is_disconnected)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(
-            _chat_stream(served, pieces, choices, len(prompt), usage), media_type="text/event-stream"
-        )
+        chunks = _Chunks(served, chat=True)
+        opening = [_sse({**chunks.head, "choices": [_role_delta(c.index)]}) for c in choices]
+        stream = _stream(chunks, pieces, choices, opening, len(prompt), usage, end_extra={})
+        return StreamingResponse(stream, media_type="text/event-stream")
     return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
 
 
@@ -357,29 +363,50 @@ async def _chat_answer(served, body: ChatCompletionRequest, pieces, choices, pro
     }
 
 
-async def _chat_stream(served: _Served, pieces, choices, prompt_len: int, usage: bool):
-    cid, created = new_id("chatcmpl"), int(time.time())
+class _Chunks:
+    """The SSE chunks of one streamed answer: chat deltas (`delta`) or completion text (`text`)."""
 
-    def chunk(index: int, delta: dict, reason=None, **extra) -> str:
-        choice = {"index": index, "delta": delta, "finish_reason": reason}
-        payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served.name}
-        return _sse({**payload, "choices": [choice], **extra})
+    def __init__(self, served: _Served, chat: bool):
+        self.chat = chat
+        self.head = {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": served.name,
+        }
 
-    for c in choices:
-        yield chunk(c.index, {"role": "assistant", "content": ""})
+    def choice(self, index: int, kind: str | None = None, text: str = "", reason=None, **extra) -> str:
+        """One choice's chunk: `text` of `kind` ("content", "reasoning"; None: nothing), or its end."""
+        if self.chat:
+            field = "reasoning_content" if kind == "reasoning" else "content"
+            body = {"delta": {field: text} if kind else {}}
+        else:
+            body = {"text": text, "logprobs": None}
+        return _sse({**self.head, "choices": [{"index": index, **body, "finish_reason": reason}], **extra})
+
+    def usage(self, prompt_tokens: int, choices) -> str:
+        return _sse(
+            {**self.head, "choices": [], "usage": _usage(prompt_tokens, sum(c.returned_tokens for c in choices))}
+        )
+
+
+async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, end_extra):
+    """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
+    comes (drafts, text, ends, errors), the usage if asked for, and [DONE]."""
+    for text in opening:
+        yield text
     async for piece in pieces:
         if piece.kind == "draft":
-            yield chunk(piece.index, {}, dgemma_draft=piece.draft)
+            yield chunks.choice(piece.index, dgemma_draft=piece.draft)
         elif piece.kind == "end" and piece.error is not None:
             yield _sse(piece.error.body())
-            yield chunk(piece.index, {}, "error")
+            yield chunks.choice(piece.index, reason="error")
         elif piece.kind == "end":
-            yield chunk(piece.index, {}, piece.finish_reason)
+            yield chunks.choice(piece.index, reason=piece.finish_reason, **end_extra)
         else:
-            yield chunk(piece.index, {"reasoning_content" if piece.kind == "reasoning" else "content": piece.text})
+            yield chunks.choice(piece.index, piece.kind, piece.text)
     if usage:
-        payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": served.name}
-        yield _sse({**payload, "choices": [], "usage": _usage(prompt_len, sum(c.returned_tokens for c in choices))})
+        yield chunks.usage(prompt_tokens, choices)
     yield _sse("[DONE]")
 
 
@@ -450,8 +477,12 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
     echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        gen = _completion_stream(served, pieces, choices, echoes, [len(p) for p in prompts], body.n, usage, middle)
-        return StreamingResponse(gen, media_type="text/event-stream")
+        chunks = _Chunks(served, chat=False)
+        opening = [chunks.choice(c.index, "content", echoes[k]) for k, c in enumerate(choices) if echoes[k]]
+        extra = {"dgemma": {"middle_length": middle}} if middle else {}
+        prompt_tokens = sum(len(p) for p in prompts) * body.n
+        stream = _stream(chunks, pieces, choices, opening, prompt_tokens, usage, end_extra=extra)
+        return StreamingResponse(stream, media_type="text/event-stream")
     texts, reasons = await _gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
@@ -482,33 +513,3 @@ def _middle_of(served: _Served, middle: int | None):
     if middle is None:
         return None
     return lambda ids: cut_at_end(served.model, ids[:middle])
-
-
-async def _completion_stream(served, pieces, choices, echoes, prompt_lens, n, usage: bool, middle):
-    cid, created = new_id("cmpl"), int(time.time())
-
-    def chunk(index: int, text: str, reason=None, **extra) -> str:
-        choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
-        payload = {"id": cid, "object": "text_completion", "created": created, "model": served.name}
-        return _sse({**payload, "choices": [choice], **extra})
-
-    for k, c in enumerate(choices):
-        if echoes[k]:
-            yield chunk(c.index, echoes[k])
-    async for piece in pieces:
-        if piece.kind == "draft":
-            yield chunk(piece.index, "", dgemma_draft=piece.draft)
-        elif piece.kind == "end" and piece.error is not None:
-            yield _sse(piece.error.body())
-            yield chunk(piece.index, "", "error")
-        elif piece.kind == "end":
-            yield chunk(
-                piece.index, "", piece.finish_reason, **({"dgemma": {"middle_length": middle}} if middle else {})
-            )
-        else:
-            yield chunk(piece.index, piece.text)
-    if usage:
-        payload = {"id": cid, "object": "text_completion", "created": created, "model": served.name}
-        prompt_tokens = sum(prompt_lens) * n
-        yield _sse({**payload, "choices": [], "usage": _usage(prompt_tokens, sum(c.returned_tokens for c in choices))})
-    yield _sse("[DONE]")
