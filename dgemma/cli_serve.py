@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -19,9 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
-    limits = Limits(
-        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout
-    )
+    limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     app = create_app(
         model,
@@ -123,24 +122,10 @@ def _add_bound_args(s) -> None:
         help="positions (prompt + generated tokens) one request may use, which sizes its KV cache "
         "(default: the model's context, at most 32768)",
     )
-    s.add_argument(
-        "--max-body-bytes",
-        type=positive_int,
-        default=Limits.max_body_bytes,
-        help=f"largest request body in bytes, 413 above (default {Limits.max_body_bytes})",
-    )
-    s.add_argument(
-        "--body-timeout",
-        type=_positive_float,
-        default=Limits.body_timeout,
-        help=f"seconds a client has to send a body, 408 after (default {Limits.body_timeout:g})",
-    )
-    s.add_argument(
-        "--header-timeout",
-        type=_positive_float,
-        default=Limits.header_timeout,
-        help=f"seconds a client has to send its headers (default {Limits.header_timeout:g})",
-    )
+    for f in dataclasses.fields(Limits):  # one flag per bound, named, typed and explained by its field
+        kind = positive_int if f.type in (int, "int") else _positive_float
+        flag = "--" + f.name.replace("_", "-")
+        s.add_argument(flag, type=kind, default=f.default, help=f"{f.metadata['help']} (default {f.default})")
     s.add_argument(
         "--shutdown-timeout",
         type=_positive_float,

@@ -3,13 +3,16 @@ that the command line can show their defaults without the server's packages inst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on what one HTTP request may cost, before any route runs."""
+    """Bounds on what one HTTP request may cost, before any route runs. Each field's help is that of its
+    `dgemma serve` flag (--max-body-bytes, ...), which the command line makes from these fields."""
 
-    max_body_bytes: int = 8 * 2**20  # 413 above
-    body_timeout: float = 30.0  # seconds to receive the whole body (408 after)
-    header_timeout: float = 10.0  # seconds to receive a request's headers (the connection is closed after)
+    max_body_bytes: int = field(default=8 * 2**20, metadata={"help": "largest request body in bytes, 413 above"})
+    body_timeout: float = field(default=30.0, metadata={"help": "seconds a client has to send a body, 408 after"})
+    header_timeout: float = field(
+        default=10.0, metadata={"help": "seconds a client has to send its headers (the connection closes after)"}
+    )
