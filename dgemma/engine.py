@@ -169,8 +169,10 @@ class Engine:
         params = request.params
         if isinstance(params, dict):
             params = SamplingParams(**params)
+        if params.mode == "exact":
+            request._rng_state = self._rng_state()  # seeded (or not) by prepare, then kept apart
         try:
-            with self._own_rng(request, params.mode == "exact"):
+            with self._own_rng(request):
                 request._loop = prepare(self.model, request.prompt, params, pins=request.pins)
         except Exception as e:  # a bad request must not stop the engine
             self.stats.requests_failed += 1
@@ -179,29 +181,32 @@ class Engine:
         self._active.append(request)
         self._advance(request, None)
 
+    def _rng_state(self) -> tuple:
+        cuda = self.model.device.type == "cuda"
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None
+
+    def _set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.model.device)
+
     @contextlib.contextmanager
-    def _own_rng(self, request: EngineRequest, exact: bool):
-        """Exact mode draws from the global generator: swap in this request's state for its step."""
-        if not exact and request._rng_state is None:
+    def _own_rng(self, request: EngineRequest):
+        """Exact mode draws from the global generator: run the request with its own saved state."""
+        if request._rng_state is None:  # fast mode: its own torch.Generator
             yield
             return
-        cuda = self.model.device.type == "cuda"
-        saved = (torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None)
-        if request._rng_state is not None:
-            torch.set_rng_state(request._rng_state[0])
-            if cuda:
-                torch.cuda.set_rng_state(request._rng_state[1], self.model.device)
+        saved = self._rng_state()
+        self._set_rng_state(request._rng_state)
         try:
             yield
         finally:
-            request._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None)
-            torch.set_rng_state(saved[0])
-            if cuda:
-                torch.cuda.set_rng_state(saved[1], self.model.device)
+            request._rng_state = self._rng_state()
+            self._set_rng_state(saved)
 
     def _advance(self, request: EngineRequest, reply) -> None:
         """Resume a request's loop with `reply` until its next model call (or its end)."""
-        with self._own_rng(request, False):
+        with self._own_rng(request):
             self._resume(request, reply)
 
     def _resume(self, request: EngineRequest, reply) -> None:
