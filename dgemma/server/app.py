@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..editing import cut_at_end, infill_template, max_middle_length
 from ..engine import Engine
-from ..generate import SamplingParams
+from ..settings import SETTINGS, SamplingParams
 from . import choices as runs
 from .guard import Guard
 from .limits import Limits
@@ -238,9 +238,9 @@ def _resolve(served: _Served, params: SamplingParams) -> SamplingParams:
     try:
         return params.resolve(served.model.generation_config, served.model.text_config.eos_token_ids)
     except ValueError as e:
-        message = str(e)
-        named = [f for f in ("t_min", "t_max", "stability_threshold", "max_denoising_steps") if f in message]
-        raise ApiError(400, message, named[0] if named else None) from e
+        message = str(e)  # the first setting the message names (the longest, where one name starts another)
+        named = sorted((message.find(name), -len(name), name) for name in SETTINGS if name in message)
+        raise ApiError(400, message, named[0][2] if named else None) from e
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
