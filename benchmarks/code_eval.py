@@ -173,11 +173,11 @@ def main() -> None:
         print(json.dumps({"benchmark": "code_eval", "baseline_empty_fill": baseline}))
         return
     model = dgemma.load(args.model)
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
     ar_model = None
     if (args.ar_model / "config.json").is_file():
         ar_model = dgemma.load(args.ar_model)
-        dgemma.accelerate(ar_model)
+        ar_model = dgemma.accelerate(ar_model)
 
     infill: dict[str, dict[str, list[dict]]] = {k: {} for k in KINDS}
     t0 = time.perf_counter()

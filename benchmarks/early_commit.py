@@ -123,7 +123,7 @@ def main() -> None:
         model, summary = train_toy(args.train_steps)
         if args.save:
             dgemma.save(model, args.save)
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
     prompts, answers = task(args.prompts, torch.Generator().manual_seed(12345))
     modes = {
         "exact": {"mode": "exact"},

@@ -24,10 +24,10 @@ import torch
 from _measure import matmul_gflops, peak_tensor_mb
 
 import dgemma
+from dgemma import accelerate
 from dgemma.ar import generate_ar
 from dgemma.bench import step_flops
 from dgemma.config import preset
-from dgemma.fast import accelerate, restore
 from dgemma.testing import TINY_VISION, load_quiet
 
 SIZES = {
@@ -73,34 +73,31 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
         with torch.no_grad():
             return oracle.generate(input_ids=prompt, **settings)
 
-    def ours(mode):
-        return lambda: dgemma.generate(model, prompt[0].tolist(), mode=mode, seed=0, stop_token_ids=[], **settings)
+    def ours(runner, mode):
+        return lambda: dgemma.generate(runner, prompt[0].tolist(), mode=mode, seed=0, stop_token_ids=[], **settings)
 
-    # engine -> (how to set the model up, what to run)
+    fast = accelerate(model)
+    # engine -> what to run (exact mode runs the reference modules whatever the runner)
     engines = {
-        "transformers": (lambda: None, reference),
-        "dgemma exact": (lambda: restore(model), ours("exact")),
-        "dgemma fast": (lambda: accelerate(model), ours("fast")),
-        "dgemma fast+compile": (lambda: accelerate(model, compile=compile_), ours("fast")),
+        "transformers": reference,
+        "dgemma exact": ours(model, "exact"),
+        "dgemma fast": ours(fast, "fast"),
     }
-    if not compile_:
-        engines.pop("dgemma fast+compile")
+    if compile_:
+        engines["dgemma fast+compile"] = ours(accelerate(model, compile=True), "fast")
     warmups = {}
-    for engine, (setup, fn) in engines.items():
-        setup()
+    for engine, fn in engines.items():
         t0 = time.perf_counter()
         fn()  # warm-up (and the one-off compile)
         warmups[engine] = time.perf_counter() - t0
     # Round robin, so that a slow spell of this shared machine hits every engine alike.
     samples = {engine: [] for engine in engines}
     for _ in range(size["repeats"]):
-        for engine, (setup, fn) in engines.items():
-            setup()
+        for engine, fn in engines.items():
             samples[engine].append(timed(fn, 1))
     peaks = {}
-    for engine, (setup, fn) in engines.items():
+    for engine, fn in engines.items():
         if not engine.endswith("compile"):  # tensors inside compiled code are not visible to the tracker
-            setup()
             peaks[engine] = peak_tensor_mb(fn)
     rows = {}
     for engine in engines:
@@ -117,10 +114,8 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
         r["gflops"] = flops / (r["ms_per_step"] / 1000) / 1e9
         r["speedup"] = rows["transformers"]["ms_per_step"] / r["ms_per_step"]
     # diffusion vs autoregressive decoding on the same weights (both on the accelerated eager model)
-    restore(model)
-    accelerate(model)
-    generate_ar(model, prompt[0].tolist(), 8, stop_token_ids=[])
-    ar_seconds = timed(lambda: generate_ar(model, prompt[0].tolist(), c, stop_token_ids=[]), 1)
+    generate_ar(fast, prompt[0].tolist(), 8, stop_token_ids=[])
+    ar_seconds = timed(lambda: generate_ar(fast, prompt[0].tolist(), c, stop_token_ids=[]), 1)
     ar_tps = c / ar_seconds
     fast_step = rows["dgemma fast"]["ms_per_step"] / 1000
     logits_mb = c * vocab * 4 / 2**20

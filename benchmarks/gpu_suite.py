@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
+from dgemma import accelerate
 from dgemma.bench import machine_peaks, random_model, run_bench
 from dgemma.config import count_parameters, preset
-from dgemma.fast import accelerate, restore
 
 START = time.perf_counter()
 
@@ -229,9 +229,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     def measure(label: str, **accel):
-        restore(model)
-        accelerate(model, **accel)
-        r = run_bench(model, steps=steps, canvases=2, repeats=args.repeats, progress=log)
+        runner = accelerate(model, **accel)
+        r = run_bench(runner, steps=steps, canvases=2, repeats=args.repeats, progress=log)
         r.peaks = results["machine"]
         return bench_row(r)
 
@@ -243,13 +242,15 @@ def main() -> None:
         def quantized():
             from dgemma.quant import quantize_model
 
-            restore(model)
             quantize_model(model, "fp8")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            accelerate(model)
             r = run_bench(
-                model, steps=[s for s in steps if s in (16, 48)] or steps, canvases=2, repeats=1, progress=log
+                accelerate(model),
+                steps=[s for s in steps if s in (16, 48)] or steps,
+                canvases=2,
+                repeats=1,
+                progress=log,
             )
             r.peaks = results["machine"]
             return bench_row(r)

@@ -37,7 +37,7 @@ def main() -> None:
     if not args.data.is_file():
         raise SystemExit(f"{args.data} not found: build it with python recipes/code_data.py")
     model, tok = dgemma.load(args.model), dgemma.Tokenizer.from_dir(args.model)
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
     files = [json.loads(line) for line in args.data.read_text().splitlines()]
     # the same spans, in the same order, as code_eval.py (its default seed and longest middle)
     by_kind = code_eval.held_out_cases(files, random.Random(0), tok, 24, args.spans)

@@ -50,7 +50,7 @@ import dgemma
 from dgemma.config import FULL, DiffusionGemmaConfig
 from dgemma.model import DiffusionGemma
 from dgemma.quant import QuantExperts, QuantLinear, describe, swap_modules
-from dgemma.weights import _atomic_save_tensors, _atomic_write_bytes, hf_state_dict
+from dgemma.weights import atomic_save_tensors, atomic_write_bytes, hf_state_dict
 
 GIB = 2**30
 REAL_LAYERS = 30
@@ -206,7 +206,7 @@ def param_bytes(model: DiffusionGemma, n_params: int) -> tuple[dict[str, int], i
     return by_component, bf16_bytes, int8_bytes
 
 
-def run_canvas(model: DiffusionGemma, prompt_len: int, laps: Laps) -> None:
+def run_canvas(model: dgemma.Runner, prompt_len: int, laps: Laps) -> None:
     """What generation does for one canvas: encode the prompt, one denoising step, the commit."""
     config = model.config
     cache = model.new_cache(batch_size=1, max_length=prompt_len + 2 * config.canvas_length)
@@ -227,12 +227,12 @@ def main_direct(args: argparse.Namespace) -> None:
     rss0 = rss_bytes()
     laps = Laps()
     model, n_params = build_direct(config, args.quant, args.group_size)
-    dgemma.accelerate(model)
+    runner = dgemma.accelerate(model)
     laps.lap("build")
     rss_built = rss_bytes()
     by_component, bf16_bytes, int8_bytes = param_bytes(model, n_params)
     total = sum(by_component.values())
-    run_canvas(model, args.prompt, laps)
+    run_canvas(runner, args.prompt, laps)
     phases = laps.stop()
     peak = peak_rss_bytes()
 
@@ -308,7 +308,7 @@ def write_shards(root: Path, plan: dict[str, dict[str, torch.Size]]) -> None:
         for name, shape in entries.items():
             tensors[name] = torch.empty(shape, dtype=torch.bfloat16)
             fill_float(name, tensors[name], g)
-        _atomic_save_tensors(tensors, root / fname, {"format": "pt"})
+        atomic_save_tensors(tensors, root / fname, {"format": "pt"})
         del tensors
 
 
@@ -323,10 +323,10 @@ def link_checkpoint(root: Path, plan: dict[str, dict[str, torch.Size]], num_laye
     weight_map = {name: fname for fname, entries in plan.items() for name in entries}
     total = sum(2 * shape.numel() for entries in plan.values() for shape in entries.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
     config = config_with_layers(num_layers).to_dict()
     config["dtype"] = "bfloat16"
-    _atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
+    atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
     return out
 
 
@@ -354,11 +354,11 @@ def measure_checkpoint(args: argparse.Namespace) -> None:
     rss0 = rss_bytes()
     laps = Laps()
     model = dgemma.load(directory, quant=args.quant, group_size=args.group_size)
-    dgemma.accelerate(model)
+    runner = dgemma.accelerate(model)
     laps.lap("load + quantize")
     anon, file = rss_parts()
     mapped = mapped_files(directory)
-    run_canvas(model, args.prompt, laps)
+    run_canvas(runner, args.prompt, laps)
     phases = laps.stop()
     record = {
         "benchmark": "memory_26b",

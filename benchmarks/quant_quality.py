@@ -68,7 +68,7 @@ def per_mode(name: str, path: Path, modes: list[str], cases, task) -> dict[str, 
     out, full = {}, None
     for mode in modes:
         model = load_mode(path, mode)
-        dgemma.accelerate(model)
+        model = dgemma.accelerate(model)
         logits = denoise_logits(model, cases)
         full = logits if full is None else full
         out[mode] = ({} if logits is full else logit_gap(full, logits)) | task(model)

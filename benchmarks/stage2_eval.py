@@ -55,7 +55,7 @@ def measure(score) -> list[dict]:
 
 def sudoku_rows(model_dir: Path, puzzles: list[dict], batch: int = 100) -> list[dict]:
     model, tok = sudoku.load_model(model_dir)
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
 
     def score(kw: dict) -> list[dict]:
         items = []
@@ -83,7 +83,7 @@ def code_rows(model_dir: Path, data: Path, n: int, seed: int = 0) -> list[dict]:
     import code_eval
 
     model, tok = dgemma.load(model_dir), dgemma.Tokenizer.from_dir(model_dir)
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
     files = [json.loads(line) for line in data.read_text().splitlines()]
     rng = random.Random(seed)
     cases = [(f["text"], a, b) for f in files for _, a, b in code_eval.spans(f["text"], rng, tok, 24, per_kind=3)]

@@ -127,7 +127,7 @@ def main() -> None:
     model, tok = sudoku.load_model(args.model)
     import dgemma
 
-    dgemma.accelerate(model)
+    model = dgemma.accelerate(model)
 
     def diffusion(**kw):
         def solve(batch):
@@ -153,7 +153,7 @@ def main() -> None:
         runs.append(evaluate(name, diffusion(**kw), puzzles, args.batch))
     if args.ar_model and (args.ar_model / "config.json").is_file():
         ar_model, ar_tok = sudoku.load_model(args.ar_model)
-        dgemma.accelerate(ar_model)
+        ar_model = dgemma.accelerate(ar_model)
         runs.append(
             evaluate(
                 "AR twin (greedy, 81 forwards)",

@@ -5,15 +5,17 @@ model = dgemma.load("path/to/checkpoint")             # HF-format directory, saf
 cache = model.new_cache(batch_size=1, max_length=512)
 model.encode(prompt_ids, cache)                       # causal prefill, writes the cache
 logits = model.denoise(canvas_ids, cache)             # one bidirectional denoising step
+runner = dgemma.accelerate(model)                     # fast modules (+ CUDA graphs): pass it as the model
+dgemma.generate(runner, prompt_ids)
 """
 
 from .ar import generate_ar, stream_ar
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters, preset
 from .editing import edit, fill, infill
-from .fast import accelerate, restore
 from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
+from .runner import Runner, accelerate
 from .tokenizer import Tokenizer
 from .weights import load, save
 
@@ -26,6 +28,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationResult",
     "KVCache",
+    "Runner",
     "SamplingParams",
     "Session",
     "TextConfig",
@@ -41,7 +44,6 @@ __all__ = [
     "infill",
     "load",
     "preset",
-    "restore",
     "save",
     "stream",
     "stream_ar",

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 
 import torch
 
-from .generate import DoneEvent, GenerationResult, GenerationStats, TokensEvent, _as_batch, left_pad
+from .generate import DoneEvent, GenerationResult, GenerationStats, TokensEvent, left_pad, prompt_rows
 from .model import DiffusionGemma
+from .runner import Runner, as_runner
 
 
 @torch.no_grad()
 def stream_ar(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     prompt,
     max_new_tokens: int = 256,
     *,
@@ -27,13 +28,16 @@ def stream_ar(
     stop_token_ids: list[int] | None = None,
     tokenizer=None,
 ) -> Iterator[TokensEvent | DoneEvent]:
-    """Decode token by token (greedy at temperature 0), yielding each row's token as it is produced."""
+    """Decode token by token (greedy at temperature 0), yielding each row's token as it is produced.
+    `model`: a DiffusionGemma, or a Runner (its fast modules run the passes)."""
     t0 = time.perf_counter()
+    runner = as_runner(model)
+    model = runner.model
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (got {temperature})")
-    rows = _as_batch(prompt, tokenizer)
+    rows = prompt_rows(prompt, tokenizer)
     pad = model.text_config.pad_token_id or 0
     ids, mask = left_pad(rows, pad, model.device)
     limit = model.text_config.max_position_embeddings
@@ -52,7 +56,7 @@ def stream_ar(
     out: list[list[int]] = [[] for _ in range(b)]
     reasons: list[str | None] = [None] * b
     first = None
-    logits = model.encode(ids, cache, attention_mask=mask, return_logits=True).logits[:, -1]
+    logits = runner.encode(ids, cache, attention_mask=mask, return_logits=True).logits[:, -1]
     passes = 1
     while True:
         if temperature == 0:
@@ -75,7 +79,7 @@ def stream_ar(
         if all(reasons):
             break
         step_mask = None if bool(alive.all()) else alive[:, None]
-        logits = model.encode(nxt[:, None], cache, attention_mask=step_mask, return_logits=True).logits[:, -1]
+        logits = runner.encode(nxt[:, None], cache, attention_mask=step_mask, return_logits=True).logits[:, -1]
         passes += 1
     elapsed = time.perf_counter() - t0
     total = sum(len(t) for t in out)
@@ -97,7 +101,7 @@ def stream_ar(
     yield DoneEvent(result)
 
 
-def generate_ar(model: DiffusionGemma, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:
+def generate_ar(model: DiffusionGemma | Runner, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:
     """Autoregressive generation; see `stream_ar`."""
     for event in stream_ar(model, prompt, max_new_tokens, **kwargs):
         if isinstance(event, DoneEvent):

@@ -31,6 +31,7 @@ from .ar import generate_ar
 from .config import DiffusionGemmaConfig, count_parameters, preset
 from .generate import generate
 from .model import DiffusionGemma
+from .runner import Runner, as_runner
 
 # Nominal peaks of common GPUs (memory bandwidth in bytes/s, dense bf16 tensor FLOP/s), from the vendors'
 # data sheets; matched against torch.cuda.get_device_name() by substring, most specific first.
@@ -320,7 +321,7 @@ def _timed(fn, device: torch.device) -> float:
 
 @torch.no_grad()
 def run_bench(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     *,
     steps: list[int],
     prompt_tokens: int = 64,
@@ -331,7 +332,8 @@ def run_bench(
     steps_per_canvas: float | None = None,
     progress=None,
 ) -> BenchResult:
-    """Measure `model` as it is (accelerate it first for the fast paths). `steps`: fixed steps per canvas
+    """Measure `model`, a DiffusionGemma (reference modules) or a Runner (`dgemma.accelerate(model)`: the
+    fast ones, as a fast-mode request runs them). `steps`: fixed steps per canvas
     to measure; `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights);
     `steps_per_canvas`: what the recommendation compares with the crossover (default: the sampler's
     measured steps, else `assumed_steps_per_canvas`)."""
@@ -339,6 +341,8 @@ def run_bench(
         raise ValueError(f"give at least two different step counts >= 1 (got {steps})")
     if steps_per_canvas is not None and not steps_per_canvas >= 1:
         raise ValueError(f"steps_per_canvas must be >= 1: a canvas takes at least one step (got {steps_per_canvas})")
+    runner = as_runner(model)
+    model, running = runner.model, runner.modules_for(exact=False)
     device = model.device
     c = model.config.canvas_length
     vocab = model.text_config.vocab_size
@@ -349,7 +353,7 @@ def run_bench(
 
     def diffusion(n: int, max_new: int):
         return generate(
-            model,
+            runner,
             prompt,
             max_new_tokens=max_new,
             max_denoising_steps=n,
@@ -359,7 +363,7 @@ def run_bench(
         )
 
     def ar(n: int):
-        return generate_ar(model, prompt, n, stop_token_ids=[])
+        return generate_ar(runner, prompt, n, stop_token_ids=[])
 
     # Warm-up (lazy initialisation, graph capture), then prefill alone.
     tell("warming up")
@@ -369,7 +373,7 @@ def run_bench(
     prompt_ids = torch.tensor([prompt], device=device)
 
     def prefill():
-        model.encode(prompt_ids, model.new_cache(1, room))
+        runner.encode(prompt_ids, model.new_cache(1, room))
 
     prefill_s = statistics.median(_timed(prefill, device) for _ in range(max(3, repeats)))
     # Round robin over the step counts, so that a slow spell of a shared machine hits all alike.
@@ -401,7 +405,7 @@ def run_bench(
     sampler_steps = sampler_tps = None
     if sampler_prompt is not None:
         tell("the sampler's own steps per canvas")
-        result = generate(model, sampler_prompt, max_new_tokens=canvases * c, seed=0)
+        result = generate(runner, sampler_prompt, max_new_tokens=canvases * c, seed=0)
         per_row = result.stats.steps_per_canvas[0]
         sampler_steps = statistics.fmean(per_row) if per_row else None
         sampler_tps = result.stats.tokens_per_second
@@ -410,10 +414,11 @@ def run_bench(
     prefix = prompt_tokens
     canvas_ids = torch.randint(0, vocab, (1, c), generator=g).to(device)
     cache = model.new_cache(1, room)
-    model.encode(prompt_ids, cache)
+    runner.encode(prompt_ids, cache)
     kv = _kv_read_bytes(cache)
-    bytes_step = step_bytes(model, lambda: model.denoise(canvas_ids, cache), 2, kv)
-    bytes_token = step_bytes(model, lambda: model.encode(prompt_ids[:, :1], cache, return_logits=True), 1, kv)
+    # eagerly, on the modules a fast request runs: a replayed CUDA graph would not call the routers' hooks
+    bytes_step = step_bytes(running, lambda: running.denoise(canvas_ids, cache), 2, kv)
+    bytes_token = step_bytes(running, lambda: running.encode(prompt_ids[:, :1], cache, return_logits=True), 1, kv)
     result = BenchResult(
         device=device_name(device),
         params=count_parameters(model.config)["total"],

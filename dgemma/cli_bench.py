@@ -33,11 +33,12 @@ def _at_least_one(text: str) -> float:
 
 def load_for_bench(args: argparse.Namespace):
     """The model to measure: a preset with random weights, or a checkpoint (default: the shipped code
-    model); accelerated unless --no-accelerate. Returns (model, tokenizer or None, what it is)."""
+    model). Returns (the Runner that --kernels, --compile and --no-graphs ask for, tokenizer or None, what
+    it is)."""
 
     from .bench import random_model
-    from .cli_common import resolve_device
-    from .fast import accelerate
+    from .cli_common import make_runner, resolve_device
+    from .runner import Runner
     from .weights import resolve_dtype
 
     device = resolve_device(args.device)
@@ -50,17 +51,13 @@ def load_for_bench(args: argparse.Namespace):
     else:
         if args.random_weights:
             raise ValueError("--random-weights goes with --preset")
-        from .cli_common import load_model_and_tokenizer
+        from .cli_common import load_model
 
-        model, tokenizer = load_model_and_tokenizer(args)
+        model, tokenizer = load_model(args)
         label = str(args.model)
-    if args.no_accelerate:
-        from .fast import restore
-
-        restore(model)
-    else:
-        accelerate(model, graphs=False if args.no_graphs else None)
-    return model, tokenizer, label
+    if args.kernels == "reference":
+        return make_runner(model, args), tokenizer, label
+    return Runner(model, fast=True, compile=args.compile, graphs=False if args.no_graphs else None), tokenizer, label
 
 
 def format_table(r, label: str) -> str:
@@ -250,7 +247,7 @@ def register(sub) -> None:
     s.add_argument("--json", action="store_true", help="stdout: the JSON result alone (the table goes to stderr)")
     s.add_argument("--save-json", type=Path, default=None, help="also write the JSON result to this file")
     add_old_name(s, "--json-out", "--save-json", dest="save_json", type=Path)
-    s.add_argument("--no-accelerate", action="store_true", help="measure the reference forward paths")
+    add_old_name(s, "--no-accelerate", "--kernels reference", dest="kernels", is_flag=True, const="reference")
     s.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (the other fast paths stay)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -34,14 +34,16 @@ class _OldName(argparse.Action):
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
-def add_old_name(p, old: str, new: str, dest: str, *, is_flag: bool = False, type=None) -> None:
-    """Accept `old` (hidden from --help) as `new` for one release; `is_flag` for store_true flags."""
-    extra = {"nargs": 0, "const": True} if is_flag else {"type": type}
+def add_old_name(p, old: str, new: str, dest: str, *, is_flag: bool = False, const=True, type=None) -> None:
+    """Accept `old` (hidden from --help) as `new` for one release; `is_flag` for flags without a value
+    (storing `const`)."""
+    extra = {"nargs": 0, "const": const} if is_flag else {"type": type}
     p.add_argument(old, dest=dest, action=_OldName, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **extra)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model (default: the shipped code model), --dtype, --device, --adapter and the quantization flags."""
+    """--model (default: the shipped code model), --dtype, --device, --adapter, the quantization flags,
+    and the forward-pass flags (--kernels, --compile)."""
     p.add_argument(
         "--model",
         "-m",
@@ -56,6 +58,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--adapter", type=Path, default=None, help="a LoRA adapter directory, merged into the weights")
     add_quant_args(p)
+    g = p.add_argument_group("forward passes (dgemma.Runner)")
+    g.add_argument(
+        "--kernels",
+        default="fast",
+        choices=["fast", "reference"],
+        help="modules that run fast-mode requests: fast (dgemma.fast: faster norms and experts, CUDA graphs on "
+        "CUDA) or reference (model.py's own). Exact-mode requests always run the reference modules (default fast)",
+    )
+    g.add_argument("--compile", action="store_true", help="torch.compile the fast modules' denoising pass")
 
 
 def add_model_option(p, help: str = MODEL_HELP) -> None:
@@ -89,8 +100,7 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices),
-    then --compile."""
+    """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices)."""
     from .settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
 
     defaults = SamplingParams()
@@ -103,7 +113,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         text = meta["help"] + ("" if name in CHECKPOINT_DEFAULTED or default is None else f" (default {default})")
         kind = positive_int if meta["kind"] is int and meta["low"] == 1 else meta["kind"]
         g.add_argument(flag, dest=name, type=kind, choices=meta["choices"], default=default, help=text)
-    g.add_argument("--compile", action="store_true", help="torch.compile the denoising pass (fast mode)")
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
@@ -146,9 +155,25 @@ def _default_model_dir() -> Path:
     return MODEL_DIR
 
 
+def make_runner(model, args: argparse.Namespace):
+    """The Runner that --kernels and --compile ask for (fast modules unless --kernels reference)."""
+    from .runner import Runner
+
+    if args.kernels == "reference":
+        if args.compile:
+            raise ValueError("--compile compiles the fast modules; it does not go with --kernels reference")
+        return Runner(model)
+    return Runner(model, fast=True, compile=args.compile)
+
+
 def load_model_and_tokenizer(args: argparse.Namespace):
-    """The model and tokenizer that add_model_args' flags name (accelerated unless --mode exact)."""
-    from .fast import accelerate
+    """The Runner (see make_runner) and tokenizer of the model that add_model_args' flags name."""
+    model, tokenizer = load_model(args)
+    return make_runner(model, args), tokenizer
+
+
+def load_model(args: argparse.Namespace):
+    """The model (reference modules) and tokenizer that add_model_args' flags name."""
     from .tokenizer import Tokenizer
     from .weights import load
 
@@ -173,8 +198,6 @@ def load_model_and_tokenizer(args: argparse.Namespace):
         from .train.lora import load_adapter
 
         model = load_adapter(model, args.adapter, merge=True)
-    if getattr(args, "mode", "fast") == "fast":  # exact mode keeps the reference forward paths
-        accelerate(model, compile=getattr(args, "compile", False))
     if tokenizer.vocab_size > model.text_config.vocab_size:
         raise ValueError(
             f"tokenizer.json has {tokenizer.vocab_size} tokens but the model only {model.text_config.vocab_size}"

@@ -87,7 +87,7 @@ def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16,
     return result
 
 
-def _code_part(screen: Screen, model, tok, seed: int) -> Part:
+def _code_part(screen: Screen, runner, tok, seed: int) -> Part:
     from rich.text import Text
 
     from .generate import stream
@@ -106,7 +106,7 @@ def _code_part(screen: Screen, model, tok, seed: int) -> Part:
 
     t0 = time.perf_counter()
     result = _stream_view(
-        screen, render, stream(model, prompt, max_new_tokens=2 * model.config.canvas_length, seed=seed)
+        screen, render, stream(runner, prompt, max_new_tokens=2 * runner.model.config.canvas_length, seed=seed)
     )
     seconds = time.perf_counter() - t0
     screen.print(Text(GENERATE_PROMPT, style="bold") + Text(_shown(tok.decode(result.tokens[0]))))
@@ -184,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the tour; return 0."""
     import torch
 
-    from .fast import accelerate
+    from .runner import accelerate
     from .tokenizer import Tokenizer
     from .weights import load
 
@@ -195,15 +195,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"no code model in {directory}; train one with recipes/code-small.yaml or give --model")
     model, tok = load(directory, quant=args.quant, group_size=args.group_size), Tokenizer.from_dir(directory)
-    accelerate(model)
+    runner = accelerate(model)
     screen.print(
         f"dgemma demo: code model {directory.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
         f"parameters, canvas {model.config.canvas_length}), on {torch.get_num_threads()} CPU threads"
     )
     parts = [
-        _code_part(screen, model, tok, args.seed),
-        _infill_part(screen, model, tok, args.seed),
-        _edit_part(screen, model, tok, args.seed),
+        _code_part(screen, runner, tok, args.seed),
+        _infill_part(screen, runner, tok, args.seed),
+        _edit_part(screen, runner, tok, args.seed),
     ]
     if not args.no_sudoku:
         parts.append(_sudoku_part(screen, args.sudoku_model, args.seed, args.quant, args.group_size))

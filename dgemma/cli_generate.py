@@ -164,13 +164,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = check_unicode(args.prompt, "--prompt")
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
-    model, tokenizer = load_model_and_tokenizer(args)
+    runner, tokenizer = load_model_and_tokenizer(args)
     ids = _prompt_ids(tokenizer, text, args)
     if args.ar:
-        limit = args.max_new_tokens or model.generation_config.max_new_tokens
-        events = stream_ar(model, ids, limit, temperature=args.temperature, seed=args.seed)
+        limit = args.max_new_tokens or runner.model.generation_config.max_new_tokens
+        events = stream_ar(runner, ids, limit, temperature=args.temperature, seed=args.seed)
     else:
-        events = stream(model, ids, **sampling_overrides(args))
+        events = stream(runner, ids, **sampling_overrides(args))
     printer = TextPrinter(tokenizer)
     result = run_stream(events, tokenizer, args, printer)
     report(result, args, tokenizer.decode(result.tokens[0]))
@@ -181,10 +181,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the KV cache is reused across turns."""
     from .generate import Session
 
-    model, tokenizer = load_model_and_tokenizer(args)
+    runner, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
-    session = Session(model, max_length=args.max_context, tokenizer=tokenizer)
+    session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("dgemma chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
     while True:
@@ -220,14 +220,14 @@ def cmd_infill(args: argparse.Namespace) -> int:
     check_unicode(suffix, "--suffix")
     if args.max_new_tokens is not None:
         raise ValueError("the middle's length is set with --middle-length N (or auto), not --max-new-tokens")
-    model, tokenizer = load_model_and_tokenizer(args)
+    runner, tokenizer = load_model_and_tokenizer(args)
     length = args.middle_length
     middle_length = "auto" if length == "auto" else int(length)
     overrides = sampling_overrides(args)
     for name in ("early_commit", "early_commit_steps", "early_commit_entropy"):  # a middle is never streamed
         overrides.pop(name)
     result = infill(
-        model, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=args.length_score, **overrides
+        runner, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=args.length_score, **overrides
     )
     if args.json:
         print(

@@ -18,12 +18,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ImportError("the server needs FastAPI, uvicorn and prometheus-client: pip install 'dgemma[serve]'") from e
     from .cli_common import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(args)
+    runner, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     app = create_app(
-        model,
+        runner,
         tokenizer,
         model_name=name,
         api_key=args.api_key,
@@ -43,6 +43,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return 0
+
+
+def _old_mode(text: str) -> str:
+    """The old `serve --mode fast|exact` as a --kernels value (exact meant the reference modules)."""
+    if text not in ("fast", "exact"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'fast', 'exact')")
+    return "reference" if text == "exact" else "fast"
 
 
 def _port(text: str) -> int:
@@ -74,7 +81,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def register(sub) -> None:
-    from .cli_common import add_model_args
+    from .cli_common import add_model_args, add_old_name
 
     s = sub.add_parser(
         "serve",
@@ -96,8 +103,7 @@ def register(sub) -> None:
     )
     _add_bound_args(s)
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
-    s.add_argument("--mode", default="fast", choices=["fast", "exact"], help="forward paths (exact: reference)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the denoising pass")
+    add_old_name(s, "--mode", "--kernels", dest="kernels", type=_old_mode)
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

@@ -39,6 +39,7 @@ import torch
 
 from .generate import GenerationResult, SamplingParams, generate, left_pad
 from .model import DiffusionGemma
+from .runner import Runner, as_runner
 
 SCORED_SUFFIX = 32  # tokens after the middle (suffix, then end of text) scored when choosing its length
 
@@ -117,7 +118,7 @@ def cut_at_end(model: DiffusionGemma, middle_ids: list[int]) -> list[int]:
 
 
 def fill(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     template: list[int | None] | list[list[int | None]],
     prompt: list[int] | list[list[int]] | None = None,
     params: SamplingParams | None = None,
@@ -127,7 +128,10 @@ def fill(
 
     A batch takes a list of templates of equal length (and a prompt per template). Templates longer than a
     canvas continue in the next canvases. The result's `tokens` hold the whole sequence, holes filled.
+    `model` may be a Runner.
     """
+    runner = as_runner(model)
+    model = runner.model
     batch = template if template and isinstance(template[0], list) else [template]
     if not batch or not all(isinstance(t, list) and t for t in batch):
         raise ValueError("template must be a non-empty list of token ids and None (holes)")
@@ -149,7 +153,7 @@ def fill(
             "decides how many tokens are generated"
         )
     overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
-    return generate(model, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
+    return generate(runner, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
 
 
 def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
@@ -172,7 +176,7 @@ class InfillResult:
 
 
 def infill(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     prefix: list[int] | str,
     suffix: list[int] | str,
     middle_length: int | str = "auto",
@@ -182,7 +186,10 @@ def infill(
     length_score: str = "encoder",
     **overrides,
 ) -> InfillResult:
-    """Generate the middle between `prefix` and `suffix`, seeing both (see the module docstring)."""
+    """Generate the middle between `prefix` and `suffix`, seeing both (see the module docstring).
+    `model` may be a Runner."""
+    runner = as_runner(model)
+    model = runner.model
     if length_score not in ("encoder", "denoiser"):
         raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
     prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
@@ -196,15 +203,15 @@ def infill(
         raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
     templates = [infill_template(model, suffix, n) for n in lengths]
     prompt = _start_prompt(model, prefix)
-    result = fill(model, templates, [prompt] * len(templates), params, **overrides)
+    result = fill(runner, templates, [prompt] * len(templates), params, **overrides)
     middles = [cut_at_end(model, row[:n]) for row, n in zip(result.tokens, lengths, strict=True)]
     scores: dict[int, float] = {}
     best = 0
     if len(lengths) > 1:
         if length_score == "encoder":
-            values = _encoder_scores(model, prompt, middles, suffix)
+            values = _encoder_scores(runner, prompt, middles, suffix)
         else:
-            values = _denoiser_scores(model, prompt, middles, suffix)
+            values = _denoiser_scores(runner, prompt, middles, suffix)
         scores = dict(zip(lengths, values, strict=True))
         best = max(range(len(lengths)), key=lambda i: values[i])
     middle = middles[best]
@@ -215,21 +222,21 @@ def infill(
     return out
 
 
-def _encoder_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+def _encoder_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):
     """Mean encoder log-probability of each middle and the `SCORED_SUFFIX` tokens after it.
 
     What follows a middle is the suffix, then the end of the text: with a short or empty suffix the
     end-of-text token is scored too, so the model says whether the text can end there (and an empty
     middle before an empty suffix still has a token to score).
     """
-    after = suffix + end_of_text_ids(model)[:1]
+    after = suffix + end_of_text_ids(runner.model)[:1]
     texts = [m + after[:SCORED_SUFFIX] for m in middles]
-    return [float(lp.mean()) for lp in continuation_logprobs(model, prompt, texts)]
+    return [float(lp.mean()) for lp in continuation_logprobs(runner, prompt, texts)]
 
 
 @torch.no_grad()
 def continuation_logprobs(
-    model: DiffusionGemma, prompt: list[int], continuations: list[list[int]]
+    model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]]
 ) -> list[torch.Tensor]:
     """The encoder's next-token log-probability of each token of each continuation after `prompt`.
 
@@ -237,6 +244,8 @@ def continuation_logprobs(
     continuations, right-padded (a causal encoder never lets a real token see the padding after it).
     Returns one 1-D tensor per row, on the CPU.
     """
+    runner = as_runner(model)
+    model = runner.model
     rows = len(continuations)
     if not prompt or any(not c for c in continuations):
         raise ValueError("continuation_logprobs needs a non-empty prompt and non-empty continuations")
@@ -246,20 +255,21 @@ def continuation_logprobs(
         tail[i, : 1 + len(c)] = torch.tensor(prompt[-1:] + c)
     cache = model.new_cache(rows, len(prompt) - 1 + width)
     if len(prompt) > 1:
-        model.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache)
+        runner.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache)
     tail = tail.to(model.device)
-    logp = torch.log_softmax(model.encode(tail, cache, return_logits=True).logits[:, :-1].float(), dim=-1)
+    logp = torch.log_softmax(runner.encode(tail, cache, return_logits=True).logits[:, :-1].float(), dim=-1)
     token_logp = logp.gather(-1, tail[:, 1:, None]).squeeze(-1)
     return [token_logp[i, : len(c)].cpu() for i, c in enumerate(continuations)]
 
 
 @torch.no_grad()
-def _denoiser_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+def _denoiser_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):
     """Mean log-probability one denoising pass gives each middle and what follows it in its canvas.
 
     Each middle is placed in the canvas of its own (cut) length, `[middle | suffix | end-of-text ...]`; the
     scored tokens are the middle, the visible suffix and the first end-of-text pin when the canvas has one.
     """
+    model = runner.model
     canvas_length, end = model.config.canvas_length, end_of_text_ids(model)[0]
     canvases, scored = [], []
     for m in middles:
@@ -269,15 +279,15 @@ def _denoiser_scores(model: DiffusionGemma, prompt: list[int], middles: list[lis
     rows = len(middles)
     ids, _ = left_pad([prompt] * rows, 0, model.device)
     cache = model.new_cache(rows, ids.shape[1])
-    model.encode(ids, cache)
+    runner.encode(ids, cache)
     canvas = torch.tensor(canvases, device=model.device)
-    logp = torch.log_softmax(model.denoise(canvas, cache), dim=-1)
+    logp = torch.log_softmax(runner.denoise(canvas, cache), dim=-1)
     token_logp = logp.gather(-1, canvas[..., None]).squeeze(-1)
     return [float(token_logp[i, : scored[i]].mean()) for i in range(rows)]
 
 
 def edit(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     ids: list[int] | str,
     span: tuple[int, int],
     params: SamplingParams | None = None,
@@ -290,8 +300,10 @@ def edit(
 
     The replacement has the span's length unless `new_length` says otherwise (a span of length 0 with a
     `new_length` inserts); it is shorter when the model ends the text inside it. The text before the span
-    is the prefix, the text after it the suffix.
+    is the prefix, the text after it the suffix. `model` may be a Runner.
     """
+    runner = as_runner(model)
+    model = runner.model
     ids = _check_ids(_text_or_ids(ids, tokenizer, "text"), model.text_config.vocab_size, "text")
     if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
         raise ValueError(f"span must be a (start, end) pair of token positions (got {span!r})")
@@ -305,4 +317,4 @@ def edit(
             f"the replacement must have between 1 and {limit} tokens (got {n}); give new_length "
             "for an insertion (an empty span)"
         )
-    return infill(model, ids[:a], ids[b:], n, params, tokenizer=tokenizer, **overrides)
+    return infill(runner, ids[:a], ids[b:], n, params, tokenizer=tokenizer, **overrides)

@@ -10,9 +10,12 @@ runs past its deadline is dropped at the next step; `drain` ends every request (
 
 Each request gets the random draws it would get alone for its seed: fast mode draws from the request's
 own generator, and exact mode (which, like the reference, draws from torch's global generator) runs each
-of its steps with that request's own saved global generator state. Its tokens are the same as alone up to
-the rounding of the batched forward pass (stacked caches of other lengths take other kernels: on random
-weights a last-bit difference can grow over many steps and change a token; tests/test_engine.py).
+of its steps with that request's own saved global generator state. Fast requests are denoised together on
+the runner's fast modules; their tokens are the same as alone up to the rounding of the batched forward
+pass (stacked caches of other lengths take other kernels: on random weights a last-bit difference can grow
+over many steps and change a token; tests/test_engine.py). Exact requests are denoised one by one on the
+reference modules, as `dgemma.generate` would alone, so they keep transformers' numbers whatever the
+runner and whoever else is being served.
 
 Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
 which the web layer reads.
@@ -33,6 +36,7 @@ import torch
 from .generate import DenoiseCall, DoneEvent, DraftEvent, SamplingParams, prepare
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
+from .runner import Runner, as_runner
 
 
 class QueueFull(RuntimeError):
@@ -77,16 +81,18 @@ class EngineStats:
     tokens_generated: int = 0
     denoising_steps: int = 0  # batched forward passes
     row_steps: int = 0  # canvas-steps summed over the rows of those passes
-    last_batch_size: int = 0
+    last_batch_size: int = 0  # requests denoised in the last step (fast ones together, exact ones alone)
 
 
 class Engine:
-    """Owns the model; `submit` requests from any thread, read their events from `request.events`."""
+    """Owns the model (a DiffusionGemma or a Runner of one); `submit` requests from any thread, read their
+    events from `request.events`."""
 
-    def __init__(self, model: DiffusionGemma, *, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, model: DiffusionGemma | Runner, *, max_batch: int = 8, max_queue: int = 64):
         if max_batch <= 0 or max_queue < 0:
             raise ValueError("max_batch must be > 0 and max_queue >= 0")
-        self.model = model
+        self.runner = as_runner(model)
+        self.model = self.runner.model
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.stats = EngineStats()
@@ -173,7 +179,7 @@ class Engine:
             request._rng_state = self._rng_state()  # seeded (or not) by prepare, then kept apart
         try:
             with self._own_rng(request):
-                request._loop = prepare(self.model, request.prompt, params, pins=request.pins)
+                request._loop = prepare(self.runner, request.prompt, params, pins=request.pins)
         except Exception as e:  # a bad request must not stop the engine
             self.stats.requests_failed += 1
             request.events.put(e)
@@ -253,35 +259,42 @@ class Engine:
         self._active = keep
 
     def _step(self) -> None:
-        """One batched denoising pass for every active request."""
+        """One denoising pass for the active fast requests together, and one for each exact request."""
         self._drop_finished()
-        if not self._active:
-            return
-        calls = [r._call for r in self._active]
+        fast = [r for r in self._active if not r._call.exact]
+        groups = [fast] if fast else []
+        groups += [[r] for r in self._active if r._call.exact]
+        if groups:
+            self.stats.last_batch_size = len(self._active)  # requests denoised this step
+        for group in groups:
+            self._denoise(group)
+        self._active = [r for r in self._active if r._call is not None]
+
+    def _denoise(self, group: list[EngineRequest]) -> None:
+        """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""
+        calls = [r._call for r in group]
         embeds = []
         m = self.model.text_config.hidden_size
         for call in calls:
             if call.self_conditioning is not None:
                 embeds.append(call.self_conditioning)
-            else:  # the first step: an exactly-zero signal
+            elif len(calls) > 1:  # the first step in a batch: an exactly-zero signal
                 embeds.append(torch.zeros(*call.tokens.shape, m, dtype=self.model.dtype, device=self.model.device))
         tokens = torch.cat([c.tokens for c in calls])
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
+        signal = torch.cat(embeds) if embeds else None
         try:
-            logits = self.model.denoise(tokens, cache, torch.cat(embeds))
+            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact)
         except Exception as e:
-            for r in self._active:
+            for r in group:
                 r.events.put(e)
                 r._call = None
-            self.stats.requests_failed += len(self._active)
-            self._active = []
+            self.stats.requests_failed += len(group)
             return
         self.stats.denoising_steps += 1
         self.stats.row_steps += tokens.shape[0]
-        self.stats.last_batch_size = len(calls)
         row = 0
-        for r, call in zip(list(self._active), calls, strict=True):
+        for r, call in zip(group, calls, strict=True):
             n = call.tokens.shape[0]
             self._advance(r, logits[row : row + n])
             row += n
-        self._active = [r for r in self._active if r._call is not None]

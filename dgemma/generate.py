@@ -14,6 +14,9 @@ random draw for random draw, so the same seed gives the same token ids. `fast` (
 same distribution with less work: one full-vocabulary buffer per step, draws only where tokens are
 accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and it can pin
 positions (infilling, editing, templates) and stream a canvas's leading tokens early.
+
+The mode is the sampler's arithmetic; it also says which modules run the passes when `model` is a
+Runner (dgemma/runner.py): exact mode always the reference modules, fast mode the runner's fast twin.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import DiffusionGemma
+from .runner import Runner, as_runner
 from .sampling import (
     StableAndConfident,
     entropy_reference,
@@ -99,6 +103,7 @@ class DenoiseCall:
     tokens: torch.Tensor  # [b, C]
     cache: KVCache
     self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
+    exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
@@ -108,7 +113,8 @@ Event = DraftEvent | TokensEvent | DoneEvent
 # Inputs
 
 
-def _as_batch(prompt, tokenizer) -> list[list[int]]:
+def prompt_rows(prompt, tokenizer) -> list[list[int]]:
+    """A prompt as a batch of token-id rows: text (with `tokenizer`), ids, a list of either, or a tensor."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if isinstance(prompt, torch.Tensor):
@@ -207,14 +213,15 @@ class _Loop:
 
     def __init__(
         self,
-        model: DiffusionGemma,
+        runner: Runner,
         cache: KVCache,
         p: SamplingParams,
         pins: torch.Tensor | None,
         prompt_tokens: list[int],
         t0: float,
     ):
-        self.model, self.cache, self.p, self.t0 = model, cache, p, t0
+        model = runner.model
+        self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
         self.b = cache.batch_size
         self.c = model.config.canvas_length
         self.v = model.text_config.vocab_size
@@ -279,7 +286,7 @@ class _Loop:
         st.steps += counted
         # the reference embeds its processed logits inside its forward; the same function, here
         sc = None if st.sc is None else self.model.soft_embedding(st.sc)
-        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning=sc)
+        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning=sc, exact=True)
         processed = logits / self.temperatures[step]
         t = reference_transition(processed, st.tokens, self.p.entropy_bound)
         tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
@@ -389,7 +396,7 @@ class _Loop:
             finished_rows = finished_rows | hit_stop
             if all(self.out.finished(r) for r in range(self.b)) or k == self.num_canvases - 1:
                 break
-            self.model.encode(seq, self.cache)  # commit
+            self.runner.encode(seq, self.cache, exact=self.exact)  # commit
         yield DoneEvent(self._result(torch.cat(sequences, dim=1)))
 
     def _result(self, sequences: torch.Tensor) -> GenerationResult:
@@ -418,7 +425,7 @@ class _Loop:
 
 
 def prepare(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     prompt,
     params: SamplingParams | None = None,
     *,
@@ -428,13 +435,16 @@ def prepare(
     **overrides,
 ) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
     """Validate the request, encode the prompt and return the canvas loop, a generator of events and
-    DenoiseCalls (see `drive`). `stream` is this plus a driver; a server drives many at once."""
+    DenoiseCalls (see `drive`). `stream` is this plus a driver; a server drives many at once. `model` is a
+    DiffusionGemma or a Runner (dgemma/runner.py: which modules run the passes)."""
     t0 = time.perf_counter()
+    runner = as_runner(model)
+    model = runner.model
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
     if pins is not None and p.mode == "exact":
         raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
-    rows = _as_batch(prompt, tokenizer)
+    rows = prompt_rows(prompt, tokenizer)
     pad_id = model.generation_config.pad_token_id
     ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
     if pins is not None and pins.shape[0] != ids.shape[0]:
@@ -455,14 +465,14 @@ def prepare(
             f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
         )
     with torch.no_grad():
-        model.encode(ids, cache, attention_mask=mask)
-    loop = _Loop(model, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
+        runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact")
+    loop = _Loop(runner, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
     return loop.run()
 
 
 @torch.no_grad()
 def stream(
-    model: DiffusionGemma,
+    model: DiffusionGemma | Runner,
     prompt,
     params: SamplingParams | None = None,
     *,
@@ -478,16 +488,18 @@ def stream(
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
     sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache.
     """
-    loop = prepare(model, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
-    for event in drive(model, loop):
+    runner = as_runner(model)
+    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
+    for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event
 
 
-def drive(model: DiffusionGemma, loop: Generator, observe=None) -> Iterator[Event]:
+def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iterator[Event]:
     """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through.
     `observe(call)`, if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
+    runner = as_runner(model)
     reply = None
     while True:
         try:
@@ -497,14 +509,14 @@ def drive(model: DiffusionGemma, loop: Generator, observe=None) -> Iterator[Even
         if isinstance(item, DenoiseCall):
             if observe is not None:
                 observe(item)
-            reply = model.denoise(item.tokens, item.cache, item.self_conditioning)
+            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact)
         else:
             reply = None
             yield item
 
 
 def generate(
-    model: DiffusionGemma, prompt, params: SamplingParams | None = None, on_event=None, **kwargs
+    model: DiffusionGemma | Runner, prompt, params: SamplingParams | None = None, on_event=None, **kwargs
 ) -> GenerationResult:
     """Generate and return the result (see `stream` for the arguments); `on_event(event)`, if given,
     sees every event on the way (drafts, commits), e.g. to draw the canvas live."""
@@ -524,8 +536,9 @@ class Session:
     (for example a template that drops past thoughts), the cache is rebuilt from the start.
     """
 
-    def __init__(self, model: DiffusionGemma, max_length: int | None = None, tokenizer=None):
-        self.model = model
+    def __init__(self, model: DiffusionGemma | Runner, max_length: int | None = None, tokenizer=None):
+        self.runner = as_runner(model)
+        self.model = model = self.runner.model
         self.tokenizer = tokenizer
         self.max_length = max_length or min(model.text_config.max_position_embeddings, 8192)
         self.cache = model.new_cache(1, self.max_length)
@@ -539,7 +552,7 @@ class Session:
             self.cache.reset()
             self.cached, n = [], 0
         new = conversation[n:]
-        for event in stream(self.model, new, params, cache=self.cache, tokenizer=self.tokenizer, **overrides):
+        for event in stream(self.runner, new, params, cache=self.cache, tokenizer=self.tokenizer, **overrides):
             if isinstance(event, DoneEvent):
                 c = self.model.config.canvas_length
                 # every canvas but the last was committed through the encoder

@@ -7,8 +7,9 @@ through `StaticCacheView`: every cached slot is attended (slots not yet written,
 out) and where the canvas sits comes from a one-element tensor, not a Python int. Every canvas of a
 generation then runs the same graph, whatever the prompt length.
 
-`accelerate()` installs `GraphedDenoise` as `model.denoise` on CUDA. Calls it cannot serve (training,
-row subsets of a batch, stacked caches of a server batch, CPU tensors) go to the ordinary denoise.
+A `Runner` made fast on CUDA (dgemma/runner.py) answers its fast-mode denoising calls through a
+`GraphedDenoise` of its fast twin. Calls it cannot serve (training, row subsets of a batch, stacked caches
+of a server batch, CPU tensors) go to the twin's ordinary denoise.
 On CPU the same static step runs without the graph (`capture=False`), which is how the tests compare it
 with the reference.
 """
@@ -72,11 +73,6 @@ class StaticCacheView:
         return torch.cat([self.cache.keys[i], k], dim=2), torch.cat([self.cache.values[i], v], dim=2)
 
 
-def _eager(model: DiffusionGemma):
-    """The model's own denoise, bypassing anything installed on the instance."""
-    return DiffusionGemma.denoise.__get__(model)
-
-
 @dataclass
 class _Entry:
     cache: weakref.ref
@@ -119,7 +115,7 @@ class GraphedDenoise:
     def __call__(self, canvas_ids: torch.Tensor, cache, self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
         if not self._serves(cache, canvas_ids):
             self.fallbacks += 1
-            return _eager(self.model)(canvas_ids, cache, self_conditioning)
+            return self.model.denoise(canvas_ids, cache, self_conditioning)
         soft = self_conditioning
         key = (id(cache), tuple(canvas_ids.shape), None if soft is None else (soft.dtype, tuple(soft.shape)))
         entry = self.entries.get(key)
@@ -138,7 +134,7 @@ class GraphedDenoise:
 
     def _run(self, entry: _Entry, cache: KVCache) -> torch.Tensor:
         view = StaticCacheView(cache, entry.length)
-        return _eager(self.model)(entry.ids, view, entry.soft)
+        return self.model.denoise(entry.ids, view, entry.soft)
 
     def _record(self, key: tuple, cache: KVCache, canvas_ids: torch.Tensor, soft: torch.Tensor | None) -> _Entry:
         while len(self.entries) >= self.max_graphs:

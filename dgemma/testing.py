@@ -117,14 +117,14 @@ def model_sharing_oracle_weights(oracle, config):
     """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
     side-by-side speed measurements of models too large to hold twice."""
     from .model import DiffusionGemma
-    from .weights import ENC, _hf_name
+    from .weights import ENC, hf_name
 
     theirs = oracle.state_dict()
     with torch.device("meta"):
         model = DiffusionGemma(config)
     state = {}
     for name in model.state_dict():
-        hf = _hf_name(name)
+        hf = hf_name(name)
         state[name] = theirs[hf] if hf in theirs else theirs[ENC + name]
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -177,6 +177,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of one id (not decoded text: byte-level pieces stay as stored)."""
+        return self._tok.id_to_token(token_id)
+
     def _special_id(self, key: str) -> int | None:
         token = self.special_tokens.get(key)
         return None if token is None else self._tok.token_to_id(token)

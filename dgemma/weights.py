@@ -217,7 +217,7 @@ def load(
     if missing or unexpected or wrong_shape:
         parts = []
         if missing:
-            parts.append(f"missing tensors ({len(missing)}): " + _listing([_hf_name(n) for n in missing], ", "))
+            parts.append(f"missing tensors ({len(missing)}): " + _listing([hf_name(n) for n in missing], ", "))
         if unexpected:
             parts.append(f"unexpected tensors ({len(unexpected)}): " + _listing(unexpected, ", "))
         if wrong_shape:
@@ -316,7 +316,8 @@ def _listing(items: list[str], sep: str, limit: int = 12) -> str:
     return sep.join(items[:limit]) + more
 
 
-def _hf_name(ours: str) -> str:
+def hf_name(ours: str) -> str:
+    """The checkpoint's name of one of our parameter names (encoder scalars live under the encoder)."""
     m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", ours)
     return f"{ENC}layers.{m.group(1)}.layer_scalar" if m else DEC + ours
 
@@ -324,14 +325,15 @@ def _hf_name(ours: str) -> str:
 def hf_state_dict(model: DiffusionGemma) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under transformers' checkpoint names (each tied tensor once)."""
     for name, t in model.state_dict().items():
-        yield _hf_name(name), t
+        yield hf_name(name), t
 
 
 # ------------------------------------------------------------------------------------------------
 # Writing
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves the old file or the new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -344,7 +346,8 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file written as atomic_write_bytes writes: whole or not at all."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -382,23 +385,23 @@ def save(
         size += t.nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _atomic_save_tensors(shards[0], out / "model.safetensors", meta)
+        atomic_save_tensors(shards[0], out / "model.safetensors", meta)
         (out / "model.safetensors.index.json").unlink(missing_ok=True)
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_save_tensors(shard, out / fname, meta)
+            atomic_save_tensors(shard, out / fname, meta)
             weight_map.update(dict.fromkeys(shard, fname))
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        _atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+        atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
         (out / "model.safetensors").unlink(missing_ok=True)
     gen = generation_config or getattr(model, "generation_config", None)
     if gen is not None:
-        _atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
+        atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
     config = model.config.to_dict()
     config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
     if getattr(model, "quantization", None):
         config["quantization"] = model.quantization
-    _atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
+    atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
     return out

@@ -266,6 +266,9 @@ def test_one_flag_name_per_knob_in_every_command():
             ["bench", "--fixed-steps", "1,2", "--save-json", "b.json"],
         ),
         (["info", "DIR"], ["info", "--model", "DIR"]),
+        (["serve", "--mode", "exact"], ["serve", "--kernels", "reference"]),
+        (["serve", "--mode", "fast"], ["serve", "--kernels", "fast"]),
+        (["bench", "--no-accelerate"], ["bench", "--kernels", "reference"]),
         (["quantize", "DIR", "OUT", "--quant", "int8"], ["quantize", "-m", "DIR", "--out", "OUT", "--quant", "int8"]),
     ],
 )

@@ -137,3 +137,36 @@ def test_exact_requests_batched_together_get_their_solo_tokens(model, engine):
     assert [(r.tokens[0], r.finish_reasons[0]) for r in (collect(r) for r in submitted)] == alone
     assert not isinstance(collect(other), Exception)
     assert engine.stats.row_steps > engine.stats.denoising_steps
+
+
+def test_an_accelerated_engine_answers_exact_requests_on_the_reference_modules(model, monkeypatch):
+    """On a fast runner, exact requests are denoised one by one on the reference modules: the bare model's
+    tokens and committed canvases bit for bit, next to fast requests batched on the fast modules (here
+    forced onto the dense expert path, whose rounding differs from the reference loop)."""
+    import dgemma
+    import dgemma.fast as fast
+
+    monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15)
+    exact = [
+        ([5, 6, 7, 8], dict(mode="exact", seed=3, max_new_tokens=20, max_denoising_steps=5)),
+        (list(range(20, 41)), dict(mode="exact", seed=4, max_new_tokens=16, max_denoising_steps=4)),
+    ]
+    alone = [generate(model, prompt, **params) for prompt, params in exact]
+    runner = dgemma.accelerate(model)
+    fast_calls = []
+    for module in runner.fast.modules():
+        if isinstance(module, fast.FastExperts):
+            module.register_forward_hook(lambda *_: fast_calls.append(1))
+    engine = Engine(runner, max_batch=8)
+    try:
+        served = [collect(engine.submit(EngineRequest(prompt, dict(params)))) for prompt, params in exact]
+        assert not fast_calls  # not one fast module ran for them
+        submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in exact]
+        others = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in requests(seed=3)[:2]]
+        served += [collect(r) for r in submitted]
+        assert all(not isinstance(collect(r), Exception) for r in others)
+    finally:
+        engine.close()
+    for got, want in zip(served, alone + alone, strict=True):
+        assert got.tokens == want.tokens and torch.equal(got.sequences, want.sequences)
+    assert fast_calls  # the fast requests ran the fast modules

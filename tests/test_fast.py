@@ -1,4 +1,5 @@
-"""The fast forward paths give the reference's numbers (to float rounding), each path forced in turn."""
+"""The fast modules give the reference's numbers (to float rounding), each path forced in turn; the model
+they are made from is never changed; a Runner sends exact requests to the reference modules."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 import dgemma.fast as fast
-from dgemma import build, preset
+from dgemma import Runner, build, preset
 from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 
@@ -32,16 +33,18 @@ def _run(model, seed=0):
 def test_accelerated_model_matches_reference(model, monkeypatch, experts):
     ref = _run(model)
     monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15 if experts == "dense" else -1)
-    fast.accelerate(model, grouped=experts == "grouped")
-    assert fast.is_accelerated(model)
-    out = _run(model)
+    twin = fast.fast_twin(model, grouped=experts == "grouped")
+    assert fast.is_fast(twin) and not fast.is_fast(model)
+    shown = repr(twin)  # print() tells what runs
+    assert "FastExperts" in shown and "FastRMSNorm" in shown and f"grouped={experts == 'grouped'}" in shown
+    for name, t in model.state_dict().items():  # the same weights, not copies
+        assert twin.state_dict()[name].data_ptr() == t.data_ptr(), name
+    out = _run(twin)
     text = model.text_config
     for a, b in zip(ref, out, strict=True):  # other kernels: equal to fp32 rounding at each output's scale
         tol = fp32_tolerance(a.abs().max().item(), text.hidden_size, text.num_hidden_layers)
         torch.testing.assert_close(b, a, rtol=0, atol=tol)
-    fast.restore(model)
-    assert not fast.is_accelerated(model)
-    # restored: the very same computation again, so bit for bit
+    # the model itself still runs the reference modules: the very same computation again, so bit for bit
     assert all(torch.equal(a, b) for a, b in zip(ref, _run(model), strict=True))
 
 
@@ -51,9 +54,9 @@ def test_accelerated_bf16_and_dense_only_models():
         ids = torch.randint(3, 512, (1, 12))
         cache = m.new_cache(1, 32)
         ref = m.encode(ids, cache, return_logits=True).logits
-        fast.accelerate(m)
+        runner = fast_runner(m)
         cache = m.new_cache(1, 32)
-        out = m.encode(ids, cache, return_logits=True).logits
+        out = runner.encode(ids, cache, return_logits=True).logits
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, ref, rtol=0.02, atol=0.05)
 
@@ -66,7 +69,7 @@ def test_sorted_experts_handle_unused_experts():
     weights = torch.rand(5, 2)
     ref = layer.experts(x, weights, index)
     tol = fp32_tolerance(ref.abs().max().item(), 64, num_layers=0)  # one block, matmuls over other row counts
-    for path in (fast._experts_sorted, fast._experts_dense, fast.experts_grouped):
+    for path in (fast.experts_sorted, fast.experts_dense, fast.experts_grouped):
         torch.testing.assert_close(path(layer.experts, x, weights, index), ref, rtol=0, atol=tol)
 
 
@@ -117,8 +120,40 @@ def test_generation_with_the_graphed_step_is_unchanged(model):
 
     settings = dict(max_new_tokens=16, seed=3, stop_token_ids=[])
     ref = dgemma.generate(model, [5, 6, 7, 8], **settings).tokens
-    fast.accelerate(model, grouped=True, graphs=True)
-    assert dgemma.generate(model, [5, 6, 7, 8], **settings).tokens == ref
-    assert model.denoise.fallbacks == 0 and len(model.denoise.entries) >= 1
-    fast.restore(model)
-    assert "denoise" not in model.__dict__
+    runner = dgemma.accelerate(model, grouped=True, graphs=True)
+    assert dgemma.generate(runner, [5, 6, 7, 8], **settings).tokens == ref
+    assert runner.graphs.fallbacks == 0 and len(runner.graphs.entries) >= 1
+    runner.release()
+    assert not runner.graphs.entries
+    assert "denoise" not in model.__dict__ and not fast.is_fast(model)
+
+
+def fast_runner(model):
+    return Runner(model, fast=True)
+
+
+def test_exact_requests_run_the_reference_modules(model, monkeypatch):
+    """On a fast runner, exact mode gives the bare model's tokens bit for bit even when the fast modules
+    would round differently (forced here: the dense expert path on every call)."""
+    import dgemma
+
+    monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15)
+    settings = dict(max_new_tokens=12, seed=5, stop_token_ids=[], mode="exact")
+    runner = fast_runner(model)
+    calls = []
+    for module in runner.fast.modules():
+        if isinstance(module, fast.FastExperts):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    ref = dgemma.generate(model, [[5, 6, 7], [9, 10, 11]], **settings)
+    out = dgemma.generate(runner, [[5, 6, 7], [9, 10, 11]], **settings)
+    assert out.tokens == ref.tokens and torch.equal(out.sequences, ref.sequences)
+    assert not calls  # not one fast module ran
+    dgemma.generate(runner, [5, 6, 7], max_new_tokens=4, seed=5)
+    assert calls  # fast mode does run them
+
+
+def test_runner_arguments_are_checked(model):
+    with pytest.raises(ValueError, match="fast=True"):
+        Runner(model, compile=True)
+    with pytest.raises(TypeError, match="DiffusionGemma"):
+        Runner(object())

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fast import experts_by_expert
 from ..model import Experts, gelu_tanh
+from ..moe import experts_by_expert
 from .formats import Quantized, check_mode, dequantize, quantize, quantize_matrices
 from .kernels import quantized_matmul
 
@@ -80,7 +80,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}"
+        kernel = f", kernel={self.kernel}" if self.kernel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}{kernel}"
 
 
 class QuantExperts(nn.Module):
@@ -142,4 +143,5 @@ class QuantExperts(nn.Module):
     def extra_repr(self) -> str:
         e, two_i, m = self.shapes["gate_up_proj"]
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
-        return f"experts={e}, hidden={m}, intermediate={two_i // 2}, mode={self.mode}{group}"
+        kernel = f", kernel={self.kernel}" if self.kernel else ""
+        return f"experts={e}, hidden={m}, intermediate={two_i // 2}, mode={self.mode}{group}{kernel}"

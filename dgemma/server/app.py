@@ -30,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..editing import cut_at_end, infill_template, max_middle_length
 from ..engine import Engine
+from ..model import DiffusionGemma
+from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
 from . import choices as runs
 from .guard import Guard
@@ -47,7 +49,7 @@ DEFAULT_MAX_CONTEXT = 32768  # positions per request unless --max-context says o
 class _Served:
     """What the routes share: the model, its tokenizer and engine, and the server's settings."""
 
-    model: object
+    model: DiffusionGemma  # the reference modules (configs); passes run through engine.runner
     tokenizer: object
     engine: Engine
     name: str
@@ -76,18 +78,20 @@ def create_app(
     check_host: bool = False,
     max_context: int | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `model` (its engine thread starts now and stops with the app).
+    """A FastAPI app serving `model`, a DiffusionGemma or a Runner of one (`dgemma.accelerate(model)`:
+    fast requests on the fast modules); its engine thread starts now and stops with the app.
 
     `check_host` answers only requests addressed to localhost (set it when serving on loopback without
     a key); `limits` bounds the body (see guard.Limits); `max_context` bounds the positions (prompt and
     generated tokens) of one request, and so its KV cache (default: the model's context, at most 32768)."""
-    model_context = model.text_config.max_position_embeddings
+    runner = as_runner(model)
+    model_context = runner.model.text_config.max_position_embeddings
     context = min(model_context, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     if not 0 < context <= model_context:
         raise ValueError(f"max_context must be in [1, {model_context}] (the model's context); got {context}")
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue)
+    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue)
     semaphore = asyncio.Semaphore(TOKENIZE_AT_ONCE)
-    served = _Served(model, tokenizer, engine, model_name, request_timeout, semaphore, context)
+    served = _Served(runner.model, tokenizer, engine, model_name, request_timeout, semaphore, context)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -37,7 +37,7 @@ class _EngineCollector:
             "dgemma_tokens_per_forward": ("tokens generated per canvas step", s.tokens_generated / max(s.row_steps, 1)),
             "dgemma_queue_depth": ("requests waiting", self.engine.queue_depth),
             "dgemma_batch_size": ("requests being denoised", self.engine.active),
-            "dgemma_last_batch_size": ("rows of the last denoising pass", s.last_batch_size),
+            "dgemma_last_batch_size": ("requests denoised in the last engine step", s.last_batch_size),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -382,7 +382,7 @@ def template(tokenizer, puzzle: str) -> list[int | None]:
 
 def decode_grid(tokenizer, ids: list[int]) -> str:
     """81 model tokens -> 81 characters (anything that is not a digit becomes 0)."""
-    text = [tokenizer._tok.id_to_token(i) or "" for i in ids[:81]]
+    text = [tokenizer.id_to_token(i) or "" for i in ids[:81]]
     return "".join(t if t in DIGITS else BLANK for t in text).ljust(81, BLANK)
 
 

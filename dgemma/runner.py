@@ -1,0 +1,134 @@
+"""The forward passes generation runs, and the kernels that run them: `Runner.encode` and `Runner.denoise`.
+
+    runner = dgemma.accelerate(model)               # fast modules, CUDA graphs on CUDA
+    runner = dgemma.accelerate(model, compile=True)  # ... and torch.compile of the denoising pass
+    dgemma.generate(runner, prompt)                  # wherever a model goes: generate, Engine, create_app
+
+A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
+over the same weights with the fast modules swapped in (dgemma/fast.py), whose denoising pass it may
+compile or replay from captured CUDA graphs (dgemma/graphs.py). Which one runs is the request's
+sampler mode: `exact` requests always run the reference modules eagerly, so they keep transformers'
+numbers on any runner; `fast` requests run the twin. A bare model passed where a runner goes is
+`Runner(model)`: the reference modules for every request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fast import capturable, fast_twin
+from .graphs import GraphedDenoise
+from .kv_cache import DenoiseCache, KVCache
+from .model import DiffusionGemma, EncodeOutput
+
+
+class Runner:
+    """Runs `encode` / `denoise` for generation: the reference modules for exact mode, the fast twin (if
+    any) for fast mode. `compile` and `graphs` (default: on CUDA when the step can be captured) apply
+    to the twin's denoising pass; `grouped` to its experts (see dgemma.fast.fast_twin)."""
+
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        *,
+        fast: bool = False,
+        compile: bool = False,
+        grouped: bool | None = None,
+        graphs: bool | None = None,
+    ):
+        if not isinstance(model, DiffusionGemma):
+            raise TypeError(f"a Runner runs a DiffusionGemma (got {type(model).__name__})")
+        if not fast and (compile or graphs or grouped):
+            raise ValueError("compile, graphs and grouped apply to the fast modules: pass fast=True")
+        self.model = model
+        self.fast = fast_twin(model, grouped=grouped) if fast else None
+        self.compiled = compile and fast
+        self.graphs: GraphedDenoise | None = None
+        self._fast_denoise = None if self.fast is None else self.fast.denoise
+        if self.compiled:
+            # Experts that loop over a data-dependent split break the graph once per layer; allow one
+            # compiled variant per layer instead of falling back to eager after the default 8.
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * model.text_config.num_hidden_layers)
+            self._fast_denoise = torch.compile(self.fast.denoise)
+        elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
+            self.graphs = GraphedDenoise(self.fast)
+            self._fast_denoise = self.graphs
+
+    # What callers read to prepare inputs, as on the model itself.
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        return self.model.text_config
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, batch_size: int, max_length: int, **kwargs) -> KVCache:
+        """`DiffusionGemma.new_cache`."""
+        return self.model.new_cache(batch_size, max_length, **kwargs)
+
+    def modules_for(self, exact: bool) -> DiffusionGemma:
+        """The model whose modules run a request: the reference for exact mode (or with no twin), else the twin."""
+        return self.model if exact or self.fast is None else self.fast
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        return_logits: bool = False,
+        exact: bool = False,
+    ) -> EncodeOutput:
+        """`DiffusionGemma.encode` on the modules for `exact` (the twin's encode is never compiled:
+        prompts and commits have varying lengths)."""
+        return self.modules_for(exact).encode(input_ids, cache, attention_mask, return_logits=return_logits)
+
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        cache: DenoiseCache,
+        self_conditioning: torch.Tensor | None = None,
+        *,
+        exact: bool = False,
+    ) -> torch.Tensor:
+        """`DiffusionGemma.denoise`: the reference's for exact mode, else the twin's (compiled or graphed)."""
+        if exact or self._fast_denoise is None:
+            return self.model.denoise(canvas_ids, cache, self_conditioning)
+        return self._fast_denoise(canvas_ids, cache, self_conditioning)
+
+    def release(self) -> None:
+        """Drop the captured CUDA graphs and their buffers (they are recorded again when needed)."""
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def __repr__(self) -> str:
+        kernels = "reference" if self.fast is None else "fast"
+        head = f"Runner(kernels={kernels}, compile={self.compiled}, graphs={self.graphs is not None})"
+        return f"{head}\n{self.modules_for(exact=False)}"
+
+
+def accelerate(
+    model: DiffusionGemma, *, compile: bool = False, grouped: bool | None = None, graphs: bool | None = None
+) -> Runner:
+    """A Runner of `model` with the fast modules; pass it where a model goes (`dgemma.generate(runner,
+    ...)`, `Engine(runner)`, `create_app(runner, ...)`). `model` itself is not changed."""
+    return Runner(model, fast=True, compile=compile, grouped=grouped, graphs=graphs)
+
+
+def as_runner(model: DiffusionGemma | Runner) -> Runner:
+    """`model` if it is a Runner, else a Runner of its reference modules."""
+    return model if isinstance(model, Runner) else Runner(model)
