@@ -173,6 +173,80 @@ class InfillResult:
     result: GenerationResult
     text: str | None = None
     middle_text: str | None = None
+    row: int = 0  # the row of `result` the middle comes from
+
+
+@dataclass
+class InfillPlan:
+    """An infill, validated and laid out before anything runs: the middle lengths to try, one canvas
+    template per length (a row each, every row with the same prompt), and how the length is chosen.
+    `infill` is plan_infill, then `fill(plan.templates, plan.prompts)`, then choose_middle; a server runs
+    the fill on its engine and the same choice after it."""
+
+    prefix: list[int]
+    suffix: list[int]
+    prompt: list[int]  # what the encoder reads: the prefix (the BOS token for an empty one)
+    lengths: list[int]  # middle lengths, one per row
+    templates: list[list[int | None]]
+    length_score: str
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt] * len(self.lengths)
+
+    def pins(self) -> torch.Tensor:
+        """The templates as fill's pins [rows, canvas] (-1 at the holes)."""
+        return torch.tensor([[-1 if t is None else t for t in row] for row in self.templates], dtype=torch.long)
+
+
+def plan_infill(
+    model: DiffusionGemma | Runner,
+    prefix: list[int] | str,
+    suffix: list[int] | str,
+    middle_length: int | str = "auto",
+    *,
+    tokenizer=None,
+    length_score: str = "encoder",
+    longest: int | None = None,
+) -> InfillPlan:
+    """Validate an infill and lay out its rows: "auto" tries 2, 4, 8, ... up to `longest` (default and at
+    most `max_middle_length`), an integer that one length. ValueErrors name what is wrong."""
+    model = as_runner(model).model
+    if length_score not in ("encoder", "denoiser"):
+        raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
+    prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
+    suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
+    limit = max_middle_length(model) if longest is None else max(1, min(longest, max_middle_length(model)))
+    if middle_length == "auto":
+        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
+    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= limit:
+        lengths = [middle_length]
+    else:
+        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
+    templates = [infill_template(model, suffix, n) for n in lengths]
+    return InfillPlan(prefix, suffix, _start_prompt(model, prefix), lengths, templates, length_score)
+
+
+def choose_middle(
+    model: DiffusionGemma | Runner, plan: InfillPlan, result: GenerationResult, *, tokenizer=None
+) -> InfillResult:
+    """The middle of each row of a plan's fill, cut at the end of text, and the one kept: the only one, or
+    with several lengths the best by `plan.length_score` (model passes: run it where the model runs)."""
+    runner = as_runner(model)
+    middles = [cut_at_end(runner.model, row[:n]) for row, n in zip(result.tokens, plan.lengths, strict=True)]
+    scores: dict[int, float] = {}
+    best = 0
+    if len(plan.lengths) > 1:
+        score = _encoder_scores if plan.length_score == "encoder" else _denoiser_scores
+        values = score(runner, plan.prompt, middles, plan.suffix)
+        scores = dict(zip(plan.lengths, values, strict=True))
+        best = max(range(len(plan.lengths)), key=lambda i: values[i])
+    middle = middles[best]
+    out = InfillResult(middle, plan.prefix + middle + plan.suffix, plan.lengths[best], scores, result, row=best)
+    if tokenizer is not None:
+        out.text = tokenizer.decode(out.tokens)
+        out.middle_text = tokenizer.decode(middle)
+    return out
 
 
 def infill(
@@ -189,37 +263,9 @@ def infill(
     """Generate the middle between `prefix` and `suffix`, seeing both (see the module docstring).
     `model` may be a Runner."""
     runner = as_runner(model)
-    model = runner.model
-    if length_score not in ("encoder", "denoiser"):
-        raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
-    prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
-    suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
-    limit = max_middle_length(model)
-    if middle_length == "auto":
-        lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
-    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= limit:
-        lengths = [middle_length]
-    else:
-        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
-    templates = [infill_template(model, suffix, n) for n in lengths]
-    prompt = _start_prompt(model, prefix)
-    result = fill(runner, templates, [prompt] * len(templates), params, **overrides)
-    middles = [cut_at_end(model, row[:n]) for row, n in zip(result.tokens, lengths, strict=True)]
-    scores: dict[int, float] = {}
-    best = 0
-    if len(lengths) > 1:
-        if length_score == "encoder":
-            values = _encoder_scores(runner, prompt, middles, suffix)
-        else:
-            values = _denoiser_scores(runner, prompt, middles, suffix)
-        scores = dict(zip(lengths, values, strict=True))
-        best = max(range(len(lengths)), key=lambda i: values[i])
-    middle = middles[best]
-    out = InfillResult(middle, prefix + middle + suffix, lengths[best], scores, result)
-    if tokenizer is not None:
-        out.text = tokenizer.decode(out.tokens)
-        out.middle_text = tokenizer.decode(middle)
-    return out
+    plan = plan_infill(runner, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=length_score)
+    result = fill(runner, plan.templates, plan.prompts, params, **overrides)
+    return choose_middle(runner, plan, result, tokenizer=tokenizer)
 
 
 def _encoder_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):

@@ -18,7 +18,8 @@ reference modules, as `dgemma.generate` would alone, so they keep transformers' 
 runner and whoever else is being served.
 
 Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
-which the web layer reads.
+which the web layer reads. `call(fn)` runs other model work on the engine thread between two steps (a
+server scores an infill's candidate middles so); a request may hold several rows (an infill's lengths).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +56,7 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class EngineRequest:
-    prompt: list[int]
+    prompt: list[int] | list[list[int]]  # one row, or several (left-padded, as dgemma.generate takes them)
     params: SamplingParams | dict  # or a dict of SamplingParams fields
     pins: torch.Tensor | None = None
     want_drafts: bool = False
@@ -97,6 +100,7 @@ class Engine:
         self.max_queue = max_queue
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
+        self._calls: deque[tuple[Callable[[Runner], object], Future]] = deque()
         self._active: list[EngineRequest] = []
         self._running = 0  # active requests as the submitting threads see them (updated under the lock)
         self._lock = threading.Condition()
@@ -119,6 +123,17 @@ class Engine:
             self._lock.notify()
         return request
 
+    def call(self, fn: Callable[[Runner], object]) -> Future:
+        """Run `fn(runner)` on the engine thread before its next step (model passes outside the batched
+        denoising, such as scoring); the Future holds what it returns or raises. ShuttingDown once draining."""
+        future: Future = Future()
+        with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down")
+            self._calls.append((fn, future))
+            self._lock.notify()
+        return future
+
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -138,9 +153,13 @@ class Engine:
             self._draining = True
             waiting = list(self._waiting)
             self._waiting.clear()
+            calls = list(self._calls)
+            self._calls.clear()
             self._lock.notify()
         for request in waiting:
             request.events.put(ShuttingDown("the server is shutting down"))
+        for _, future in calls:
+            future.set_exception(ShuttingDown("the server is shutting down"))
 
     def close(self) -> None:
         self.drain()
@@ -154,14 +173,18 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._lock:
-                    while not self._stop and not self._waiting and not self._active:
+                    while not self._stop and not self._waiting and not self._active and not self._calls:
                         self._lock.wait()
                     if self._stop:
                         break
+                    calls = list(self._calls)
+                    self._calls.clear()
                     admitted = []
                     while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                         admitted.append(self._waiting.popleft())
                     self._running = len(self._active) + len(admitted)
+                for fn, future in calls:
+                    self._call(fn, future)
                 for request in admitted:
                     self._start(request)
                 self._step()
@@ -169,6 +192,14 @@ class Engine:
                     self._running = len(self._active)
         for request in list(self._active) + list(self._waiting):
             request.events.put(ShuttingDown("the server is shutting down"))
+
+    def _call(self, fn: Callable[[Runner], object], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.runner))
+        except Exception as e:  # the caller's to handle; the engine goes on
+            future.set_exception(e)
 
     def _start(self, request: EngineRequest) -> None:
         """Encode the prompt and run the loop up to its first model call."""

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from dgemma.engine import Engine, EngineRequest, RequestTimeout
+from dgemma.engine import Engine, EngineRequest, RequestTimeout, ShuttingDown
 from dgemma.generate import DoneEvent, DraftEvent, generate
 from dgemma.testing import load_quiet
 
@@ -170,3 +170,23 @@ def test_an_accelerated_engine_answers_exact_requests_on_the_reference_modules(m
     for got, want in zip(served, alone + alone, strict=True):
         assert got.tokens == want.tokens and torch.equal(got.sequences, want.sequences)
     assert fast_calls  # the fast requests ran the fast modules
+
+
+def test_calls_run_on_the_engine_thread_between_steps(model):
+    """`Engine.call(fn)` runs fn(runner) on the engine's own thread (where a server scores infills), hands
+    back what it returns or raises, keeps the engine going after an error, and is refused once draining."""
+    import threading
+
+    engine = Engine(model, max_batch=2)
+    try:
+        running = engine.submit(EngineRequest([5, 6, 7], dict(seed=0, max_new_tokens=16, max_denoising_steps=4)))
+        seen = engine.call(lambda runner: (threading.current_thread().name, runner.model is model)).result(WAIT)
+        assert seen == ("dgemma-engine", True)
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda runner: 1 / 0).result(WAIT)
+        assert not isinstance(collect(running), Exception)  # the request beside the calls finished
+        engine.drain()
+        with pytest.raises(ShuttingDown):
+            engine.call(lambda runner: None)
+    finally:
+        engine.close()

@@ -117,6 +117,40 @@ def test_infilling_returns_the_middle_and_streams(server, client):
     assert raw["dgemma"]["middle_length"] == 4
 
 
+def test_infilling_without_max_tokens_chooses_the_length_as_dgemma_infill_does(server, model_dir):
+    """No max_tokens: the middle's length is chosen among 2, 4, ... by the model's score, on the engine, by
+    the very code dgemma.infill runs: the same middle, length and scores as the Python API."""
+    import dgemma
+    from dgemma.testing import load_quiet
+
+    tok = dgemma.Tokenizer.from_dir(model_dir)
+    prompt, suffix = "def f(x):", "return y"
+    model = load_quiet(model_dir)
+    api, second = (
+        dgemma.infill(model, tok.encode(prompt), tok.encode(suffix, add_special_tokens=False), seed=s, **FAST)
+        for s in (4, 5)  # choice i of a request runs at seed + i
+    )
+    assert len(api.scores) > 1  # several lengths were tried
+    body = {"prompt": prompt, "suffix": suffix, "seed": 4, **FAST}
+    raw = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, headers=AUTH, timeout=60).json()
+    assert raw["choices"][0]["text"] == tok.decode(api.middle)
+    assert raw["dgemma"]["middle_length"] is None  # chosen per choice, not given
+    first = raw["dgemma"]["choices"][0]
+    assert first["middle_length"] == api.middle_length
+    assert first["middle_scores"] == {str(n): round(v, 4) for n, v in api.scores.items()}
+    assert len(raw["dgemma"]["choices"]) == 2 and all("middle_scores" in c for c in raw["dgemma"]["choices"])
+    assert raw["choices"][1]["text"] == tok.decode(second.middle)
+    assert raw["dgemma"]["choices"][1]["middle_length"] == second.middle_length
+    assert raw["usage"]["completion_tokens"] == len(api.middle) + len(second.middle)
+    # streamed: the same middle, and its end chunk says the length chosen
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=60
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == raw["choices"][0]["text"]
+    assert events[-1]["dgemma"]["middle_length"] == api.middle_length
+
+
 def test_too_long_prompts_name_the_right_field(server, model_dir):
     context = json.loads((model_dir / "config.json").read_text())["text_config"]["max_position_embeddings"]
 

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..editing import cut_at_end, infill_template, max_middle_length
+from ..editing import InfillPlan, choose_middle, max_middle_length, plan_infill
 from ..engine import Engine
 from ..model import DiffusionGemma
 from ..runner import as_runner
@@ -316,7 +316,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _Chunks(served, chat=True)
         opening = [_sse({**chunks.head, "choices": [_role_delta(c.index)]}) for c in choices]
-        stream = _stream(chunks, pieces, choices, opening, len(prompt), usage, end_extra={})
+        stream = _stream(chunks, pieces, choices, opening, len(prompt), usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
 
@@ -394,9 +394,11 @@ class _Chunks:
         )
 
 
-async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, end_extra):
+async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool):
     """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
-    comes (drafts, text, ends, errors), the usage if asked for, and [DONE]."""
+    comes (drafts, text, ends with the choice's `dgemma` details if any, errors), the usage if asked for,
+    and [DONE]."""
+    by_index = {c.index: c for c in choices}
     for text in opening:
         yield text
     async for piece in pieces:
@@ -406,7 +408,8 @@ async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_t
             yield _sse(piece.error.body())
             yield chunks.choice(piece.index, reason="error")
         elif piece.kind == "end":
-            yield chunks.choice(piece.index, reason=piece.finish_reason, **end_extra)
+            details = by_index[piece.index].details  # set when the choice finished
+            yield chunks.choice(piece.index, reason=piece.finish_reason, **({"dgemma": details} if details else {}))
         else:
             yield chunks.choice(piece.index, piece.kind, piece.text)
     if usage:
@@ -438,37 +441,53 @@ async def _completion_prompts(served: _Served, body: CompletionRequest) -> list[
     return out
 
 
-async def _infill_pins(served: _Served, body: CompletionRequest, prompt_len: int):
-    """For `suffix`: the pinned canvas [middle | suffix | end-of-text], and the middle's length. The
-    middle is max_tokens long (16 by default), clamped so that it still sees the suffix: the canvas keeps
-    room for the suffix and its end, up to half the canvas (said in the answer's `dgemma.middle_length`).
-    A middle that needs fewer tokens ends at its first end-of-text token."""
-    import torch
-
+async def _infill_plan(served: _Served, body: CompletionRequest, prompt: list[int]) -> InfillPlan:
+    """For `suffix`: the infill laid out by dgemma.editing. With max_tokens the middle has that length;
+    without, its length is chosen as `dgemma.infill(middle_length="auto")` chooses it. Either way the middle
+    is clamped so that it still sees the suffix: the canvas keeps room for the suffix and its end, up to
+    half the canvas (the answer's `dgemma` block says the length used). A middle that needs fewer tokens
+    ends at its first end-of-text token."""
     _check_chars(served, len(body.suffix), "suffix")
     suffix = await _tokenize(served, served.tokenizer.encode, body.suffix, param="suffix", add_special_tokens=False)
     canvas = served.canvas
-    longest = min(max_middle_length(served.model), canvas - min(len(suffix) + 1, canvas // 2))
-    middle = min(body.max_tokens or 16, max(longest, 1))
-    template = infill_template(served.model, suffix, middle)
-    _budget(served, len(template), prompt_len, "max_tokens", "prompt")
-    return torch.tensor([[-1 if t is None else t for t in template]]), middle
+    longest = max(min(max_middle_length(served.model), canvas - min(len(suffix) + 1, canvas // 2)), 1)
+    length = "auto" if body.max_tokens is None else min(body.max_tokens, longest)
+    try:
+        plan = plan_infill(served.model, prompt, suffix, length, longest=longest)
+    except ValueError as e:
+        raise ApiError(400, str(e), "suffix") from e
+    _budget(served, len(plan.templates[0]), len(plan.prompt), "max_tokens", "prompt")
+    return plan
+
+
+def _choose_middle(served: _Served, plan: InfillPlan):
+    """A choice's finish (server/choices.py) for an infill: the middle chosen on the engine thread, as
+    dgemma.infill chooses it (scoring several lengths takes model passes)."""
+
+    async def finish(choice, result) -> tuple[list[int], int]:
+        chosen = await asyncio.wrap_future(served.engine.call(lambda runner: choose_middle(runner, plan, result)))
+        choice.details = {"middle_length": chosen.middle_length}
+        if chosen.scores:
+            choice.details["middle_scores"] = {str(n): round(s, 4) for n, s in chosen.scores.items()}
+        return chosen.middle, chosen.row
+
+    return finish
 
 
 async def _completions(served: _Served, body: CompletionRequest, http: Request):
     _check_model(served, body.model)
     prompts = await _completion_prompts(served, body)
-    longest = max(len(p) for p in prompts)
-    pins, middle = None, None
-    if body.suffix is not None:
-        pins, middle = await _infill_pins(served, body, longest)
+    rows, pins, finish, plan = prompts, None, None, None
+    if body.suffix is not None:  # one prompt (the request model says so); its rows are the plan's
+        plan = await _infill_plan(served, body, prompts[0])
+        rows, pins, finish = [plan.prompts], plan.pins(), _choose_middle(served, plan)
         params = replace(body.sampling(pins.shape[1]), stop_token_ids=[], early_commit=False)
     else:
-        params = body.sampling(_budget(served, body.max_tokens, longest, "max_tokens", "prompt"))
+        params = body.sampling(_budget(served, body.max_tokens, max(len(p) for p in prompts), "max_tokens", "prompt"))
     params = _resolve(served, params)
     choices = runs.submit(
         served.engine,
-        prompts,
+        rows,
         params,
         body.n,
         stops=body.stop,
@@ -477,15 +496,14 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
     )
-    pieces = runs.run(choices, served.decode, http.is_disconnected, trim=_middle_of(served, middle))
+    pieces = runs.run(choices, served.decode, http.is_disconnected, finish=finish)
     echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _Chunks(served, chat=False)
         opening = [chunks.choice(c.index, "content", echoes[k]) for k, c in enumerate(choices) if echoes[k]]
-        extra = {"dgemma": {"middle_length": middle}} if middle else {}
         prompt_tokens = sum(len(p) for p in prompts) * body.n
-        stream = _stream(chunks, pieces, choices, opening, prompt_tokens, usage, end_extra=extra)
+        stream = _stream(chunks, pieces, choices, opening, prompt_tokens, usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     texts, reasons = await _gather(pieces)
     if len(reasons) < len(choices):
@@ -507,13 +525,7 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         "choices": out,
         "usage": _usage(sum(len(p) for p in prompts) * body.n, sum(c.returned_tokens for c in choices)),
     }
-    if middle is not None:
-        answer["dgemma"] = {"middle_length": middle}
+    if plan is not None:  # the length given (None: chosen per choice), and each choice's
+        fixed = plan.lengths[0] if len(plan.lengths) == 1 else None
+        answer["dgemma"] = {"middle_length": fixed, "choices": [c.details for c in choices]}
     return answer
-
-
-def _middle_of(served: _Served, middle: int | None):
-    """Infilling returns the middle only (the canvas also holds the suffix), cut at its first end-of-text."""
-    if middle is None:
-        return None
-    return lambda ids: cut_at_end(served.model, ids[:middle])

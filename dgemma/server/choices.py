@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout, ShuttingDown
-from ..generate import DoneEvent, DraftEvent, SamplingParams, TokensEvent
+from ..generate import DoneEvent, DraftEvent, GenerationResult, SamplingParams, TokensEvent
 from .output import StreamText
 from .protocol import ApiError
 
@@ -54,6 +54,12 @@ class Choice:
     steps_per_canvas: list[int] = field(default_factory=list)
     tokens_per_forward: float = 0.0
     ended: bool = False
+    row: int = 0  # the row of the request's result that is this choice's output (an infill's chosen length)
+    details: dict = field(default_factory=dict)  # what the answer says of this choice in its `dgemma` block
+
+
+# After a choice's request is done: its output tokens and the row they come from (see run's `finish`).
+Finish = Callable[[Choice, GenerationResult], Awaitable[tuple[list[int], int]]]
 
 
 def as_api_error(event: Exception) -> ApiError:
@@ -118,11 +124,11 @@ def _tokens_covering(tokens: list[int], chars: int, decode: Callable[[list[int]]
     return lo
 
 
-def _on_tokens(choice: Choice, event, decode, trim, final: bool) -> list[Piece]:
+def _on_tokens(choice: Choice, event, decode, final: bool) -> list[Piece]:
     """Text pieces from a choice's new final tokens; a stop string ends the choice here."""
     if isinstance(event, TokensEvent):
         choice.tokens.extend(event.tokens)
-    visible = choice.tokens if trim is None else trim(choice.tokens)
+    visible = choice.tokens
     pieces = [Piece(choice.index, kind, piece) for kind, piece in choice.text.feed(decode(visible), final=final)]
     if choice.text.stopped:
         choice.returned_tokens = _tokens_covering(visible, choice.text.cut, decode)
@@ -131,7 +137,7 @@ def _on_tokens(choice: Choice, event, decode, trim, final: bool) -> list[Piece]:
     return pieces
 
 
-def _on_event(choice: Choice, event, decode, trim) -> list[Piece]:
+def _on_event(choice: Choice, event, decode) -> list[Piece]:
     """What one engine event of a choice gives to send."""
     if isinstance(event, Exception):
         choice.ended = True
@@ -142,34 +148,53 @@ def _on_event(choice: Choice, event, decode, trim) -> list[Piece]:
     if not isinstance(event, TokensEvent | DoneEvent):
         return []
     done = isinstance(event, DoneEvent)
-    pieces = _on_tokens(choice, event, decode, trim, final=done)
+    pieces = _on_tokens(choice, event, decode, final=done)
     if done:
-        choice.steps_per_canvas = event.result.stats.steps_per_canvas[0]
-        choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[0], 3)
+        choice.steps_per_canvas = event.result.stats.steps_per_canvas[choice.row]
+        choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[choice.row], 3)
     if done or choice.text.stopped:
         choice.ended = True
-        reason = "stop" if choice.text.stopped else event.result.finish_reasons[0]
+        reason = "stop" if choice.text.stopped else event.result.finish_reasons[choice.row]
         pieces.append(Piece(choice.index, "end", finish_reason=reason))
     return pieces
 
 
-async def run(choices: list[Choice], decode, is_disconnected, trim=None) -> AsyncIterator[Piece]:
+async def _finished(choice: Choice, event, finish: Finish | None):
+    """The event as run hands it on: with `finish`, tokens come from the done request as a whole (rows
+    of an infill: the chosen middle), so per-row token events are passed over."""
+    if finish is None or not isinstance(event, TokensEvent | DoneEvent):
+        return event
+    if isinstance(event, TokensEvent):
+        return None
+    try:
+        choice.tokens, choice.row = await finish(choice, event.result)
+    except Exception as e:  # reported as this choice's end
+        return e
+    return event
+
+
+async def run(choices: list[Choice], decode, is_disconnected, finish: Finish | None = None) -> AsyncIterator[Piece]:
     """The pieces of all choices as they come; the engine work stops when this ends, however it ends
-    (every choice finished, the client went away, or the consumer stopped reading). `trim(tokens)`, if
-    given, says which of a choice's tokens are its output (infilling: the middle of the canvas)."""
+    (every choice finished, the client went away, or the consumer stopped reading). `finish(choice,
+    result)`, if given, makes a choice's output from its finished request (infilling: the middle)."""
     pending: dict[int, asyncio.Future] = {}
+    clock = asyncio.get_running_loop().time
+    checked = clock()
     try:
         for k, c in enumerate(choices):
             pending[k] = asyncio.ensure_future(c.request.events.queue.get())
         while pending:
             done, _ = await asyncio.wait(pending.values(), timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
+            if clock() - checked >= POLL_SECONDS:  # busy or idle, the client is looked for every POLL_SECONDS
+                checked = clock()
                 if await is_disconnected():
                     return
+            if not done:
                 continue
             for k in [k for k, fut in pending.items() if fut in done]:
                 choice = choices[k]
-                for piece in _on_event(choice, pending.pop(k).result(), decode, trim):
+                event = await _finished(choice, pending.pop(k).result(), finish)
+                for piece in _on_event(choice, event, decode):
                     yield piece
                 if choice.ended:
                     choice.request.cancel()
