@@ -81,24 +81,29 @@ def stream_ar(
         step_mask = None if bool(alive.all()) else alive[:, None]
         logits = runner.encode(nxt[:, None], cache, attention_mask=step_mask, return_logits=True).logits[:, -1]
         passes += 1
+    result = _result(out, reasons, passes, [len(r) for r in rows], t0, first, pad, max_new_tokens)
+    if tokenizer is not None:
+        result.text = [tokenizer.decode(t) for t in out]
+    yield DoneEvent(result)
+
+
+def _result(out, reasons, passes: int, prompt_tokens: list[int], t0: float, first, pad: int, max_new: int):
+    """The GenerationResult of an AR run: one forward pass per token, no canvases."""
     elapsed = time.perf_counter() - t0
     total = sum(len(t) for t in out)
     stats = GenerationStats(
         canvases=0,
-        steps_per_canvas=[[] for _ in range(b)],
-        converged_per_canvas=[[] for _ in range(b)],
-        decoder_forward_passes=[passes] * b,
+        steps_per_canvas=[[] for _ in out],
+        converged_per_canvas=[[] for _ in out],
+        decoder_forward_passes=[passes] * len(out),
         tokens_per_forward=[len(t) / passes for t in out],
         time_to_first_token=None if first is None else first - t0,
         elapsed=elapsed,
         tokens_per_second=total / elapsed if elapsed > 0 else 0.0,
-        prompt_tokens=[len(r) for r in rows],
+        prompt_tokens=prompt_tokens,
     )
-    sequences = torch.tensor([t + [pad] * (max_new_tokens - len(t)) for t in out], dtype=torch.long)
-    result = GenerationResult(out, [r or "length" for r in reasons], sequences, stats)
-    if tokenizer is not None:
-        result.text = [tokenizer.decode(t) for t in out]
-    yield DoneEvent(result)
+    sequences = torch.tensor([t + [pad] * (max_new - len(t)) for t in out], dtype=torch.long)
+    return GenerationResult(out, [r or "length" for r in reasons], sequences, stats)
 
 
 def generate_ar(model: DiffusionGemma | Runner, prompt, max_new_tokens: int = 256, **kwargs) -> GenerationResult:

@@ -333,8 +333,8 @@ def run_bench(
     progress=None,
 ) -> BenchResult:
     """Measure `model`, a DiffusionGemma (reference modules) or a Runner (`dgemma.accelerate(model)`: the
-    fast ones, as a fast-mode request runs them). `steps`: fixed steps per canvas
-    to measure; `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights);
+    fast ones, as a fast-mode request runs them). `steps`: fixed steps per canvas to measure;
+    `sampler_prompt`: token ids to let the sampler decide its own steps on (trained weights);
     `steps_per_canvas`: what the recommendation compares with the crossover (default: the sampler's
     measured steps, else `assumed_steps_per_canvas`)."""
     if len(set(steps)) < 2 or min(steps) < 1:
@@ -342,66 +342,13 @@ def run_bench(
     if steps_per_canvas is not None and not steps_per_canvas >= 1:
         raise ValueError(f"steps_per_canvas must be >= 1: a canvas takes at least one step (got {steps_per_canvas})")
     runner = as_runner(model)
-    model, running = runner.model, runner.modules_for(exact=False)
-    device = model.device
-    c = model.config.canvas_length
-    vocab = model.text_config.vocab_size
+    model = runner.model
+    c, vocab = model.config.canvas_length, model.text_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(min(8, vocab - 1), vocab, (prompt_tokens,), generator=g).tolist()
     ar_tokens = ar_tokens or c
     tell = progress or (lambda text: None)
-
-    def diffusion(n: int, max_new: int):
-        return generate(
-            runner,
-            prompt,
-            max_new_tokens=max_new,
-            max_denoising_steps=n,
-            confidence_threshold=1e-30,  # never stop early: exactly n steps per canvas
-            stop_token_ids=[],
-            seed=0,
-        )
-
-    def ar(n: int):
-        return generate_ar(runner, prompt, n, stop_token_ids=[])
-
-    # Warm-up (lazy initialisation, graph capture), then prefill alone.
-    tell("warming up")
-    diffusion(min(steps), c)
-    ar(4)
-    room = prompt_tokens + 2 * c
-    prompt_ids = torch.tensor([prompt], device=device)
-
-    def prefill():
-        runner.encode(prompt_ids, model.new_cache(1, room))
-
-    prefill_s = statistics.median(_timed(prefill, device) for _ in range(max(3, repeats)))
-    # Round robin over the step counts, so that a slow spell of a shared machine hits all alike.
-    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in steps}
-    ar_samples: list[tuple[float, float]] = []
-    for r in range(repeats):
-        for n in steps:
-            tell(f"diffusion, {n} steps per canvas (round {r + 1}/{repeats})")
-            synchronize(device)
-            result = diffusion(n, canvases * c)
-            synchronize(device)
-            samples[n].append((result.stats.elapsed, result.stats.time_to_first_token or result.stats.elapsed))
-        tell(f"autoregressive, {ar_tokens} tokens (round {r + 1}/{repeats})")
-        result = ar(ar_tokens)
-        synchronize(device)
-        ar_samples.append((result.stats.elapsed, result.stats.time_to_first_token or result.stats.elapsed))
-    points = []
-    for n in steps:
-        elapsed = statistics.median(e for e, _ in samples[n])
-        per_canvas = max(elapsed - prefill_s, 1e-9) / canvases
-        ttft = statistics.median(t for _, t in samples[n])
-        points.append(Point(n, per_canvas, c / per_canvas, ttft))
-    step_s, overhead_s = fit_line([p.steps for p in points], [p.seconds_per_canvas for p in points])
-    step_s = max(step_s, 1e-9)
-    ar_elapsed = statistics.median(e for e, _ in ar_samples)
-    ar_tps = ar_tokens / max(ar_elapsed - prefill_s, 1e-9)
-    ar_ttft = statistics.median(t for _, t in ar_samples)
-
+    timing = _time_decoding(runner, prompt, steps, canvases, ar_tokens, repeats, tell)
     sampler_steps = sampler_tps = None
     if sampler_prompt is not None:
         tell("the sampler's own steps per canvas")
@@ -409,42 +356,93 @@ def run_bench(
         per_row = result.stats.steps_per_canvas[0]
         sampler_steps = statistics.fmean(per_row) if per_row else None
         sampler_tps = result.stats.tokens_per_second
-
     tell("counting bytes per step")
-    prefix = prompt_tokens
-    canvas_ids = torch.randint(0, vocab, (1, c), generator=g).to(device)
-    cache = model.new_cache(1, room)
-    runner.encode(prompt_ids, cache)
-    kv = _kv_read_bytes(cache)
-    # eagerly, on the modules a fast request runs: a replayed CUDA graph would not call the routers' hooks
-    bytes_step = step_bytes(running, lambda: running.denoise(canvas_ids, cache), 2, kv)
-    bytes_token = step_bytes(running, lambda: running.encode(prompt_ids[:, :1], cache, return_logits=True), 1, kv)
+    bytes_step, bytes_token = _bytes_per_pass(runner, prompt, torch.randint(0, vocab, (1, c), generator=g))
     result = BenchResult(
-        device=device_name(device),
+        device=device_name(model.device),
         params=count_parameters(model.config)["total"],
         active_params=count_parameters(model.config)["active"],
         dtype=str(model.dtype).replace("torch.", ""),
         quant=_quant_mode(model),
         canvas=c,
         prompt_tokens=prompt_tokens,
-        prefill_s=prefill_s,
-        step_s=step_s,
-        canvas_overhead_s=max(overhead_s, 0.0),
-        points=points,
-        ar_tokens_per_s=ar_tps,
-        ar_time_to_first_token=ar_ttft,
+        **timing,
         crossover_steps=0.0,
         sampler_steps=sampler_steps,
         sampler_tokens_per_s=sampler_tps,
         **_expected_steps(model, steps_per_canvas, sampler_steps),
         step_bytes=bytes_step,
-        step_flops=step_flops(model.config, c, prefix),
+        step_flops=step_flops(model.config, c, prompt_tokens),
         ar_token_bytes=bytes_token,
-        ar_token_flops=step_flops(model.config, 1, prefix, diffusion=False),
+        ar_token_flops=step_flops(model.config, 1, prompt_tokens, diffusion=False),
     )
-    result.crossover_steps = crossover(c, step_s, result.canvas_overhead_s, ar_tps)
+    result.crossover_steps = crossover(c, result.step_s, result.canvas_overhead_s, result.ar_tokens_per_s)
     result.recommendation = recommend(result)
     return result
+
+
+def _time_decoding(runner: Runner, prompt: list[int], steps, canvases: int, ar_tokens: int, repeats: int, tell):
+    """Prefill alone, diffusion at each fixed step count and AR decoding, timed round robin (so that a slow
+    spell of a shared machine hits all alike): the BenchResult fields they give."""
+    model, device = runner.model, runner.model.device
+    c = model.config.canvas_length
+
+    def diffusion(n: int, max_new: int):
+        # confidence_threshold: never stop early, exactly n steps per canvas
+        settings = dict(max_denoising_steps=n, confidence_threshold=1e-30, stop_token_ids=[], seed=0)
+        return generate(runner, prompt, max_new_tokens=max_new, **settings)
+
+    tell("warming up")  # lazy initialisation, graph capture
+    diffusion(min(steps), c)
+    generate_ar(runner, prompt, 4, stop_token_ids=[])
+    prompt_ids = torch.tensor([prompt], device=device)
+
+    def prefill():
+        runner.encode(prompt_ids, model.new_cache(1, len(prompt) + 2 * c))
+
+    prefill_s = statistics.median(_timed(prefill, device) for _ in range(max(3, repeats)))
+    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in steps}
+    ar_samples: list[tuple[float, float]] = []
+    for r in range(repeats):
+        for n in steps:
+            tell(f"diffusion, {n} steps per canvas (round {r + 1}/{repeats})")
+            synchronize(device)
+            stats = diffusion(n, canvases * c).stats
+            synchronize(device)
+            samples[n].append((stats.elapsed, stats.time_to_first_token or stats.elapsed))
+        tell(f"autoregressive, {ar_tokens} tokens (round {r + 1}/{repeats})")
+        stats = generate_ar(runner, prompt, ar_tokens, stop_token_ids=[]).stats
+        synchronize(device)
+        ar_samples.append((stats.elapsed, stats.time_to_first_token or stats.elapsed))
+    points = []
+    for n in steps:
+        per_canvas = max(statistics.median(e for e, _ in samples[n]) - prefill_s, 1e-9) / canvases
+        points.append(Point(n, per_canvas, c / per_canvas, statistics.median(t for _, t in samples[n])))
+    step_s, overhead_s = fit_line([p.steps for p in points], [p.seconds_per_canvas for p in points])
+    ar_elapsed = statistics.median(e for e, _ in ar_samples)
+    return {
+        "prefill_s": prefill_s,
+        "step_s": max(step_s, 1e-9),
+        "canvas_overhead_s": max(overhead_s, 0.0),
+        "points": points,
+        "ar_tokens_per_s": ar_tokens / max(ar_elapsed - prefill_s, 1e-9),
+        "ar_time_to_first_token": statistics.median(t for _, t in ar_samples),
+    }
+
+
+def _bytes_per_pass(runner: Runner, prompt: list[int], canvas_ids: torch.Tensor) -> tuple[dict, dict]:
+    """Bytes a denoising step and an AR token read, counted on the modules a fast request runs, eagerly:
+    a replayed CUDA graph would not call the routers' hooks."""
+    running = runner.modules_for(exact=False)
+    c = runner.model.config.canvas_length
+    prompt_ids = torch.tensor([prompt], device=runner.model.device)
+    cache = runner.model.new_cache(1, len(prompt) + 2 * c)
+    running.encode(prompt_ids, cache)
+    kv = _kv_read_bytes(cache)
+    canvas_ids = canvas_ids.to(runner.model.device)
+    bytes_step = step_bytes(running, lambda: running.denoise(canvas_ids, cache), 2, kv)
+    bytes_token = step_bytes(running, lambda: running.encode(prompt_ids[:, :1], cache, return_logits=True), 1, kv)
+    return bytes_step, bytes_token
 
 
 def _expected_steps(model: DiffusionGemma, given: float | None, measured: float | None) -> dict:

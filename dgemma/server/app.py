@@ -505,6 +505,10 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         prompt_tokens = sum(len(p) for p in prompts) * body.n
         stream = _stream(chunks, pieces, choices, opening, prompt_tokens, usage)
         return StreamingResponse(stream, media_type="text/event-stream")
+    return await _completion_answer(served, body, pieces, choices, echoes, prompts, plan)
+
+
+async def _completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan):
     texts, reasons = await _gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
