@@ -21,6 +21,7 @@ def _describe(config: DiffusionGemmaConfig) -> dict:
     return {
         "parameters_total": counts["total"],
         "parameters_active": counts["active"],
+        "parameters_vision": counts["vision"],  # the vision tower and its projection (in the total)
         "vocab_size": t.vocab_size,
         "hidden_size": t.hidden_size,
         "layers": f"{t.num_hidden_layers} ({t.num_hidden_layers - n_full} sliding-window, {n_full} global)",

@@ -48,7 +48,7 @@ _TEXT_KEYS_UNUSED = _PRETRAINED_KEYS | frozenset([
     "use_double_wide_mlp",
 ])
 # fmt: on
-_TEXT_KEYS_READ = ("per_layer_config", "attention_k_eq_v", "use_bidirectional_attention")
+_TEXT_KEYS_READ = ("per_layer_config", "attention_k_eq_v")
 _TEXT_KEYS_REFUSED = ("hidden_size_per_layer_input", "num_kv_shared_layers")  # E2B/E4B features, refused if set
 # transformers' generation_config.json carries dozens of autoregressive sampling keys that DiffusionGemma's
 # sampler does not use: unknown keys there pass silently, except close misspellings of dgemma's own keys
@@ -179,6 +179,8 @@ class TextConfig:
     top_k_experts: int | None = 8
     moe_intermediate_size: int | None = 704
     initializer_range: float = 0.02
+    # "vision": the tokens of one image attend to each other both ways, on every layer (see vision.py)
+    use_bidirectional_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -287,6 +289,10 @@ class TextConfig:
             errors.append(f"hidden_activation must be one of {_ACTIVATIONS} (got {self.hidden_activation!r})")
         if self.rms_norm_eps <= 0:
             errors.append(f"rms_norm_eps must be > 0 (got {self.rms_norm_eps})")
+        if self.use_bidirectional_attention not in (None, "vision"):
+            errors.append(
+                f"use_bidirectional_attention must be null or 'vision' (got {self.use_bidirectional_attention!r})"
+            )
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             errors.append(f"final_logit_softcapping must be > 0 or null (got {self.final_logit_softcapping})")
         for name in ("pad_token_id", "bos_token_id"):
@@ -314,7 +320,7 @@ class TextConfig:
             "rope_parameters": dict[str, dict[str, Any]] | None,
             "per_layer_config": dict | None,
         }
-        hints.update(attention_k_eq_v=bool | None, use_bidirectional_attention=str | None)
+        hints.update(attention_k_eq_v=bool | None)
         _check_types(d, hints, where)
         for name, rope in (d.get("rope_parameters") or {}).items():
             rope_hints = {"rope_type": str, "rope_theta": float, "partial_rotary_factor": float}
@@ -363,7 +369,6 @@ class TextConfig:
         d["model_type"] = "diffusion_gemma_text"
         d["hidden_activation"] = "gelu_pytorch_tanh"
         d["tie_word_embeddings"] = True
-        d["use_bidirectional_attention"] = None
         return d
 
 
@@ -599,7 +604,8 @@ def preset(name: str) -> DiffusionGemmaConfig:
 
 
 def count_parameters(config: DiffusionGemmaConfig) -> dict[str, int]:
-    """Parameter counts computed from the config alone: total, and active per token (top-k experts only).
+    """Parameter counts computed from the config alone: total, active per text token (top-k experts only),
+    and the vision tower's with its projection (part of the total; it runs once per image, not per token).
 
     The embedding is counted once (the LM head is tied to it). The self-conditioning block is part of the
     total and of the active count (it runs on every denoising step).
@@ -624,7 +630,12 @@ def count_parameters(config: DiffusionGemmaConfig) -> dict[str, int]:
             router = h * t.num_experts + h + t.num_experts
             total += t.num_experts * expert + router + 2 * h
             active += t.top_k_experts * expert + router + 2 * h
-    return {"total": total, "active": active}
+    vision = 0
+    if config.vision_config is not None:
+        from .vision import VisionConfig, count_vision_parameters
+
+        vision = count_vision_parameters(VisionConfig.from_dict(config.vision_config), h)
+    return {"total": total + vision, "active": active, "vision": vision}
 
 
 def human_count(n: int) -> str:

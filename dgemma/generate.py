@@ -432,6 +432,7 @@ def prepare(
     tokenizer=None,
     pins: torch.Tensor | None = None,
     cache: KVCache | None = None,
+    pixels=None,
     **overrides,
 ) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
     """Validate the request, encode the prompt and return the canvas loop, a generator of events and
@@ -465,7 +466,7 @@ def prepare(
             f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
         )
     with torch.no_grad():
-        runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact")
+        runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact", pixels=pixels)
     loop = _Loop(runner, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
     return loop.run()
 
@@ -479,6 +480,7 @@ def stream(
     tokenizer=None,
     pins: torch.Tensor | None = None,
     cache: KVCache | None = None,
+    pixels=None,
     **overrides,
 ) -> Iterator[Event]:
     """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
@@ -486,10 +488,11 @@ def stream(
 
     `prompt`: token ids, a list of them (a batch, left-padded), or text (with `tokenizer`). `overrides` set
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
-    sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache.
+    sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache;
+    `pixels` (vision.Pixels) are the images whose placeholders the prompt holds, in order.
     """
     runner = as_runner(model)
-    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
+    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, pixels=pixels, **overrides)
     for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]

@@ -136,9 +136,16 @@ class KVCache:
         return torch.arange(self.length - n, self.length, device=self.device)
 
     def prepare_encode(
-        self, batch_size: int, num_tokens: int, attention_mask: torch.Tensor | None
+        self,
+        batch_size: int,
+        num_tokens: int,
+        attention_mask: torch.Tensor | None,
+        blocks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-        """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S]."""
+        """Mark the new positions' validity; return their positions [T] and the causal masks [B, 1, T, S].
+
+        `blocks` [B, T] (vision.image_blocks): new tokens with the same block id >= 0 (one image) also see
+        each other, both ways and beyond the sliding window, on every layer type."""
         self.check_batch(batch_size)
         assert not self._read_only, "a view of the cache is read-only"
         self._denoise_memo = None
@@ -168,6 +175,9 @@ class KVCache:
                 allowed &= (q[:, None] - k[None, :]) < self.window
             # A padded query sees nothing real; let it see itself so softmax stays finite (its output is unused).
             allowed |= (k[None, :] == q[:, None])[None] & ~self.valid[:, q][:, :, None]
+            if blocks is not None:
+                same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)  # [B, T, T]
+                allowed[:, :, -num_tokens:] |= same.to(self.device)
             masks[layer_type] = allowed[:, None]
         return q, masks
 

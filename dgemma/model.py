@@ -291,6 +291,13 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.self_conditioning = SelfConditioning(t)
+        self.vision_tower = self.embed_vision = None  # a text-only checkpoint has neither
+        if config.vision_config is not None:
+            from .vision import VisionConfig, VisionEmbedder, VisionTower  # vision.py builds on this file
+
+            vision = VisionConfig.from_dict(config.vision_config)
+            self.vision_tower = VisionTower(vision)
+            self.embed_vision = VisionEmbedder(vision, t.hidden_size)
         self._specs = {lt: t.layer(i) for i, lt in enumerate(t.layer_types)}  # one LayerSpec per layer type
         # Recompute decoder layers in the backward pass instead of keeping their activations (training).
         # Encoder layers are not checkpointed: they write the KV cache, which must happen once.
@@ -347,17 +354,47 @@ class DiffusionGemma(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T], 0 marks (left) padding
         *,
         return_logits: bool = False,
+        pixels=None,  # vision.Pixels of the images whose placeholders input_ids holds, in order
     ) -> EncodeOutput:
-        """Causal pass over new tokens at positions cache.length ...; appends their keys/values to `cache`."""
+        """Causal pass over new tokens at positions cache.length ...; appends their keys/values to `cache`.
+
+        With `pixels`, the images' soft tokens replace the embeddings at the image placeholders (row-major
+        through the batch), and with use_bidirectional_attention "vision" each image's placeholders also
+        see each other both ways, on every layer."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
                 f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})"
             )
-        self._check_ids(input_ids)
-        positions, masks = cache.prepare_encode(*input_ids.shape, attention_mask)
-        hidden = self._run_layers(self.embed(input_ids), positions, cache, masks, is_encoder=True)
+        self._check_ids(input_ids, with_images=pixels is not None)
+        x, blocks = self.embed(input_ids), None
+        if pixels is not None:
+            x, blocks = self._place_images(input_ids, x, pixels)
+        positions, masks = cache.prepare_encode(*input_ids.shape, attention_mask, blocks=blocks)
+        hidden = self._run_layers(x, positions, cache, masks, is_encoder=True)
         cache.commit(input_ids.shape[1])
         return EncodeOutput(hidden, self.lm_head(hidden) if return_logits else None)
+
+    def image_features(self, pixels) -> torch.Tensor:
+        """The soft tokens of images in the text embedding space [tokens, M] (vision.py)."""
+        if self.vision_tower is None:
+            raise ValueError("this checkpoint has no vision tower (config.json has no vision_config): text only")
+        pixels = pixels.to(self.device)
+        return self.embed_vision(self.vision_tower(pixels.values.to(self.dtype), pixels.positions))
+
+    def _place_images(self, input_ids: torch.Tensor, x: torch.Tensor, pixels):
+        """The embeddings with image soft tokens at the placeholders, and the image blocks for the mask."""
+        from .vision import image_blocks
+
+        is_image = input_ids == self.config.image_token_id
+        features = self.image_features(pixels)
+        if int(is_image.sum()) != features.shape[0]:
+            raise ValueError(
+                f"the prompt has {int(is_image.sum())} image placeholder tokens but its images give "
+                f"{features.shape[0]} soft tokens"
+            )
+        x = x.masked_scatter(is_image[..., None], features.to(x.dtype))  # no sqrt(M) scaling: as the reference
+        vision_blocks = self.text_config.use_bidirectional_attention == "vision"
+        return x, image_blocks(is_image) if vision_blocks else None
 
     def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input from logits [B, T, V]: softmax (fp32) @ embedding * sqrt(M) -> [B, T, M]."""
@@ -402,17 +439,19 @@ class DiffusionGemma(nn.Module):
             keep_all=keep_all,
         )
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def _check_ids(self, ids: torch.Tensor, with_images: bool = False) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be an integer tensor (got {ids.dtype})")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.text_config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.text_config.vocab_size}) (got {lo}..{hi})")
         image_id = self.config.image_token_id
-        if image_id is not None and image_id < self.text_config.vocab_size and bool((ids == image_id).any()):
+        if with_images and image_id is None:
+            raise ValueError("images need an image_token_id in config.json")
+        placeholders = not with_images and image_id is not None and image_id < self.text_config.vocab_size
+        if placeholders and bool((ids == image_id).any()):
             raise ValueError(
-                f"input contains image placeholder tokens (id {image_id}); dgemma runs the text "
-                "model only and cannot take image input"
+                f"input contains image placeholder tokens (id {image_id}) but no images were given (pass pixels=)"
             )
 
     @torch.no_grad()

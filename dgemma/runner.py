@@ -92,10 +92,12 @@ class Runner:
         *,
         return_logits: bool = False,
         exact: bool = False,
+        pixels=None,
     ) -> EncodeOutput:
         """`DiffusionGemma.encode` on the modules for `exact` (the twin's encode is never compiled:
         prompts and commits have varying lengths)."""
-        return self.modules_for(exact).encode(input_ids, cache, attention_mask, return_logits=return_logits)
+        model = self.modules_for(exact)
+        return model.encode(input_ids, cache, attention_mask, return_logits=return_logits, pixels=pixels)
 
     def denoise(
         self,

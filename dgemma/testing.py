@@ -74,12 +74,23 @@ def randomize_oracle(model, seed: int = 0, dense: bool = False) -> None:
             b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
 
 
-def make_oracle_model(*, dense: bool = False, seed: int = 0, canvas_length: int = 8, **text_overrides: Any):
-    """A randomised tiny transformers DiffusionGemmaForBlockDiffusion (fp32, eval mode)."""
+# Image token ids of the tiny vision checkpoints: inside the tiny vocabulary, outside the tokenizer's specials.
+TINY_IMAGE_IDS = {"boi_token_id": 500, "image_token_id": 501, "eoi_token_id": 502}
+
+
+def make_oracle_model(
+    *, dense: bool = False, seed: int = 0, canvas_length: int = 8, images: bool = False, **text_overrides: Any
+):
+    """A randomised tiny transformers DiffusionGemmaForBlockDiffusion (fp32, eval mode). With `images`, its
+    image tokens lie in the tiny vocabulary (TINY_IMAGE_IDS) and image blocks attend both ways, as in the
+    released model (use_bidirectional_attention "vision")."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
 
+    if images:
+        text_overrides.setdefault("use_bidirectional_attention", "vision")
     text = DiffusionGemmaTextConfig(**tiny_text_kwargs(**text_overrides))
-    config = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=canvas_length)
+    ids = TINY_IMAGE_IDS if images else {}
+    config = DiffusionGemmaConfig(text_config=text, vision_config=TINY_VISION, canvas_length=canvas_length, **ids)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config).eval()
     randomize_oracle(model, seed=seed, dense=dense)
@@ -381,3 +392,59 @@ def make_copy_model(model, sharpness: float = 10.0):
     model.self_conditioning.down_proj.weight.zero_()
     model.embed_tokens.weight.mul_(sharpness)
     return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Images, side by side with the oracle
+
+
+def random_pixels(grids: list[tuple[int, int]], rows: int, seed: int = 0, patch_pixels: int = 768):
+    """Random patches of images of (rows x columns) patch grids (multiples of 3), padded to `rows` patch
+    rows each as the processor pads them: a vision.Pixels, and each image's soft-token count."""
+    from .vision import Pixels
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.zeros(len(grids), rows, patch_pixels)
+    positions = torch.full((len(grids), rows, 2), -1, dtype=torch.long)
+    for i, (h, w) in enumerate(grids):
+        n = h * w
+        values[i, :n] = torch.rand(n, patch_pixels, generator=g)
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        positions[i, :n] = torch.stack([xs.reshape(-1), ys.reshape(-1)], -1)
+    return Pixels(values, positions), [h * w // 9 for h, w in grids]
+
+
+def image_prompt(parts: list[int | list[int]], image_id: int, boi: int, eoi: int) -> list[int]:
+    """Token ids of a prompt: each int in `parts` an image of that many soft tokens (boi, placeholders,
+    eoi), each list text ids."""
+    out: list[int] = []
+    for part in parts:
+        out += [boi, *[image_id] * part, eoi] if isinstance(part, int) else part
+    return out
+
+
+@torch.no_grad()
+def oracle_image_encode(oracle, ids: torch.Tensor, mask: torch.Tensor | None, pixels, pkv):
+    """The oracle's prefill with images as its `generate` runs it: the mask dict built with the image
+    blocks (mm_token_type_ids) and passed in (the encoder's own forward drops it)."""
+    enc = oracle.model.encoder
+    b, t = ids.shape
+    positions = torch.arange(t)[None].expand(b, -1)
+    mm = (ids == oracle.config.image_token_id).long()
+    masks = enc.create_masks_for_generate(
+        config=oracle.config,
+        inputs_embeds=torch.empty(b, t, 0),
+        attention_mask=mask,
+        past_key_values=pkv,
+        position_ids=positions,
+        mm_token_type_ids=mm,
+    )
+    return enc(
+        input_ids=ids,
+        pixel_values=pixels.values,
+        image_position_ids=pixels.positions,
+        attention_mask=masks,
+        position_ids=positions,
+        past_key_values=pkv,
+        mm_token_type_ids=mm,
+    ).last_hidden_state

@@ -8,7 +8,7 @@ A checkpoint directory holds `config.json`, optionally `generation_config.json`,
     model.encoder.language_model.layers.N.layer_scalar -> layers.N.encoder_layer_scalar
     model.encoder.language_model.<name>               -> a tied copy of model.decoder.<name> (checked equal)
     lm_head.weight                                    -> tied to embed_tokens.weight (checked equal)
-    model.encoder.vision_tower.* / embed_vision.*     -> skipped: dgemma runs text only
+    model.encoder.vision_tower.* / embed_vision.*     -> vision_tower.* / embed_vision.* (dgemma/vision.py)
 
 transformers stores each tied tensor once (under the decoder's name); other writers may store both
 sides in full. Both layouts load. `save` writes the transformers layout, which transformers loads too.
@@ -37,7 +37,8 @@ from .quant.formats import quantize_matrices
 
 DEC = "model.decoder."
 ENC = "model.encoder.language_model."
-VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+VISION_ROOT = "model.encoder."
+VISION = (VISION_ROOT + "vision_tower.", VISION_ROOT + "embed_vision.")
 _ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -136,7 +137,8 @@ class _TensorSource:
 
 
 def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], list[str], list[str]]:
-    """Split checkpoint names into: ours <- primary HF name; tied copies (HF name -> ours); vision; unknown."""
+    """Split checkpoint names into: ours <- primary HF name; tied copies (HF name -> ours); the vision
+    tower's names (also in primary); unknown."""
     primary: dict[str, str] = {}
     tied: dict[str, str] = {}
     vision: list[str] = []
@@ -144,6 +146,7 @@ def _map_names(hf_names: list[str]) -> tuple[dict[str, str], dict[str, str], lis
     for name in hf_names:
         if name.startswith(VISION):
             vision.append(name)
+            primary[name[len(VISION_ROOT) :]] = name
         elif (m := _ENC_SCALAR.match(name)) is not None:
             primary[f"layers.{m.group(1)}.encoder_layer_scalar"] = name
         elif name.startswith(DEC):
@@ -190,6 +193,13 @@ def load(
     config = DiffusionGemmaConfig.from_file(directory)
     source = _TensorSource(files)
     primary, tied, vision, unknown = _map_names(source.names())
+    if config.vision_config is not None and not vision:
+        warnings.warn(
+            f"{directory}: config.json has a vision_config but the checkpoint no vision tower; loading it "
+            "as a text-only model",
+            stacklevel=2,
+        )
+        config.vision_config = None
 
     stored = _stored_quantization(directory)
     if stored and quant and quant != stored["mode"]:
@@ -223,13 +233,6 @@ def load(
         if wrong_shape:
             parts.append(f"wrong shapes ({len(wrong_shape)}): " + _listing(wrong_shape, "; "))
         raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
-    if vision:
-        warnings.warn(
-            f"{directory}: skipping the vision tower ({len(vision)} tensors); dgemma runs the text "
-            "model only and cannot take image input",
-            stacklevel=2,
-        )
-
     target = resolve_dtype(dtype)
     if target is None:
         target = source.get(primary["embed_tokens.weight"]).dtype
@@ -318,6 +321,8 @@ def _listing(items: list[str], sep: str, limit: int = 12) -> str:
 
 def hf_name(ours: str) -> str:
     """The checkpoint's name of one of our parameter names (encoder scalars live under the encoder)."""
+    if ours.startswith(("vision_tower.", "embed_vision.")):
+        return VISION_ROOT + ours
     m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", ours)
     return f"{ENC}layers.{m.group(1)}.layer_scalar" if m else DEC + ours
 

@@ -30,14 +30,23 @@ def _states_equal(a, b) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
 
 
-def test_loads_transformers_checkpoint_with_one_vision_notice(moe_ckpt):
+def test_loads_transformers_checkpoint_with_its_vision_tower(moe_ckpt, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = dgemma.load(moe_ckpt[0])
-    notices = [w for w in caught if "vision tower" in str(w.message)]
-    assert len(notices) == 1 and "text model only" in str(notices[0].message)
+    assert not [w for w in caught if "vision" in str(w.message)]
     assert model.dtype == torch.float32 and not model.training
     assert not any(t.is_meta for t in model.state_dict().values())
+    theirs = load_file(str(moe_ckpt[0] / "model.safetensors"))
+    vision = [k for k in theirs if k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision."))]
+    assert vision and all(torch.equal(model.state_dict()[k[len("model.encoder.") :]], theirs[k]) for k in vision)
+    # a vision_config without the tower's tensors: text only, said once
+    stripped = _copy(moe_ckpt[0], tmp_path / "text", lambda t: [t.pop(k) for k in vision])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text_only = dgemma.load(stripped)
+    notices = [w for w in caught if "vision" in str(w.message)]
+    assert len(notices) == 1 and "text-only" in str(notices[0].message) and text_only.vision_tower is None
 
 
 def test_round_trip_is_bit_exact_and_transformers_reads_it(moe_ckpt, tmp_path):

@@ -21,9 +21,9 @@ import torch
 
 from ..model import DiffusionGemma
 
-TARGETS = {
-    "attention": r"self_attn\.(q_proj|k_proj|v_proj|o_proj)",
-    "mlp": r"mlp\.(gate_proj|up_proj|down_proj)",
+TARGETS = {  # module names of the text stack (the vision tower's projections have the same last names)
+    "attention": r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    "mlp": r"layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)",
     "self_conditioning": r"self_conditioning\.(gate_proj|up_proj|down_proj)",
 }
 DEFAULT_TARGETS = ("attention", "mlp")
@@ -33,7 +33,7 @@ def target_regex(targets: list[str] | tuple[str, ...]) -> str:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise ValueError(f"LoRA targets must be a non-empty list from {sorted(TARGETS)} (got {list(targets)})")
-    return r".*\.(" + "|".join(TARGETS[t] for t in targets) + r")"
+    return "(" + "|".join(TARGETS[t] for t in targets) + ")"  # peft matches the whole module name
 
 
 def _peft():

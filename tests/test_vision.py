@@ -1,0 +1,154 @@
+"""The vision tower and image prompts against transformers 5.23.0 (tiny random checkpoints with a vision
+tower, image blocks bidirectional as in the released model): soft tokens, the prefill, the denoiser's
+logits after it and after a second canvas, for one image, two images of different sizes, a left-padded
+batch with different image counts, and an image longer than the sliding window; exact-mode generation
+gives transformers' token ids; a negative control shows the image-block mask matters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgemma
+from dgemma.generate import left_pad
+from dgemma.testing import (
+    TINY_IMAGE_IDS,
+    fp32_logit_tolerance,
+    fp32_tolerance,
+    image_prompt,
+    make_oracle_checkpoint,
+    oracle_image_encode,
+    random_pixels,
+)
+
+pytest.importorskip("transformers")
+IMAGE, BOI, EOI = TINY_IMAGE_IDS["image_token_id"], TINY_IMAGE_IDS["boi_token_id"], TINY_IMAGE_IDS["eoi_token_id"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vision") / "ckpt"
+    oracle = make_oracle_checkpoint(path, images=True, seed=3)
+    return oracle, dgemma.load(path, dtype="fp32")
+
+
+def _text(n: int, start: int) -> list[int]:
+    return [3 + (start + 7 * i) % 490 for i in range(n)]
+
+
+# name -> (per row: the prompt's parts, an int an image of that many soft tokens), the patch grids of the
+# images in order (rows x columns of 16-pixel patches), patch rows per image (9 x the budget)
+SCENARIOS = {
+    "one_image": ([[_text(4, 0), 6, _text(3, 1)]], [(6, 9)], 72),
+    "two_sizes": ([[_text(2, 2), 6, _text(2, 3), 1, _text(3, 4)]], [(6, 9), (3, 3)], 72),
+    "padded_batch": (
+        [[_text(3, 5), 6, _text(2, 6)], [_text(2, 7), 1, _text(1, 8), 4, _text(2, 9)]],
+        [(6, 9), (3, 3), (6, 6)],
+        72,
+    ),
+    "past_the_window": ([[_text(20, 10), 18, _text(4, 11)]], [(9, 18)], 162),  # sliding window 16
+}
+
+
+def _inputs(name: str):
+    rows_parts, grids, rows = SCENARIOS[name]
+    pixels, counts = random_pixels(grids, rows, seed=len(name))
+    prompts = [image_prompt(parts, IMAGE, BOI, EOI) for parts in rows_parts]
+    assert sum(p.count(IMAGE) for p in prompts) == sum(counts)
+    ids, mask = left_pad(prompts, 0, "cpu")
+    return prompts, ids, mask, pixels
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_image_prompts_match_transformers(pair, name):
+    from transformers.cache_utils import DynamicCache
+
+    oracle, model = pair
+    _, ids, mask, pixels = _inputs(name)
+    tol = fp32_logit_tolerance(model)
+    # the soft tokens in the text embedding space
+    ref_features = oracle.model.encoder.get_image_features(pixels.values, pixels.positions).pooler_output
+    vision, text = oracle.config.vision_config, model.text_config
+    # other kernels (SDPA here, eager attention there): fp32 rounding at the output's scale, by width and depth
+    tol_features = fp32_tolerance(ref_features.abs().max().item(), vision.hidden_size, vision.num_hidden_layers + 1)
+    torch.testing.assert_close(model.image_features(pixels), ref_features, rtol=0, atol=tol_features)
+    # the prefill, then the canvas
+    pkv = DynamicCache(config=oracle.config.text_config)
+    ref_hidden = oracle_image_encode(oracle, ids, mask, pixels, pkv)
+    c = model.config.canvas_length
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + 2 * c)
+    hidden = model.encode(ids, cache, attention_mask=mask, pixels=pixels).hidden_states
+    valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    depth = text.num_hidden_layers + vision.num_hidden_layers + 1
+    tol_hidden = fp32_tolerance(ref_hidden.abs().max().item(), text.hidden_size, depth)
+    torch.testing.assert_close(hidden[valid], ref_hidden[valid], rtol=0, atol=tol_hidden)
+    g = torch.Generator().manual_seed(1)
+    dec = {} if mask is None else {"decoder_attention_mask": torch.nn.functional.pad(mask, (0, c), value=1)}
+    canvas = torch.randint(0, 500, (ids.shape[0], c), generator=g)
+    ref = oracle(past_key_values=pkv, decoder_input_ids=canvas, **dec).logits
+    torch.testing.assert_close(model.denoise(canvas, cache), ref, rtol=0, atol=tol)
+    # a second canvas after committing the first: the image is read from the cache like any prefix
+    committed = ref.argmax(-1)
+    full = None if mask is None else torch.nn.functional.pad(mask, (0, c), value=1)
+    oracle.model.encoder(input_ids=committed, past_key_values=pkv, **({} if full is None else {"attention_mask": full}))
+    model.encode(committed, cache)
+    canvas2 = torch.randint(0, 500, (ids.shape[0], c), generator=g)
+    dec2 = {} if full is None else {"decoder_attention_mask": torch.nn.functional.pad(full, (0, c), value=1)}
+    ref2 = oracle(past_key_values=pkv, decoder_input_ids=canvas2, **dec2).logits
+    torch.testing.assert_close(model.denoise(canvas2, cache), ref2, rtol=0, atol=tol)
+
+
+@torch.no_grad()
+def test_without_the_image_block_mask_the_numbers_differ(pair):
+    """Negative control: the same inputs with plain causal attention around the image (what transformers'
+    encoder forward computes when the mask dict is not passed) are clearly different."""
+    from transformers.cache_utils import DynamicCache
+
+    oracle, model = pair
+    _, ids, mask, pixels = _inputs("past_the_window")
+    pkv = DynamicCache(config=oracle.config.text_config)
+    ref = oracle_image_encode(oracle, ids, mask, pixels, pkv)
+    model.text_config.use_bidirectional_attention = None
+    try:
+        causal = model.encode(ids, model.new_cache(1, ids.shape[1]), pixels=pixels).hidden_states
+    finally:
+        model.text_config.use_bidirectional_attention = "vision"
+    assert (causal - ref).abs().max() > 1e-2
+
+
+def test_exact_generation_with_images_gives_transformers_token_ids(pair):
+    oracle, model = pair
+    for name in ("two_sizes", "padded_batch"):
+        prompts, ids, mask, pixels = _inputs(name)
+        settings = dict(max_new_tokens=12, max_denoising_steps=4)
+        extra = {} if mask is None else {"attention_mask": mask}
+        torch.manual_seed(11)
+        ref = oracle.generate(
+            input_ids=ids,
+            pixel_values=pixels.values,
+            image_position_ids=pixels.positions,
+            mm_token_type_ids=(ids == IMAGE).long(),
+            eos_token_id=1,
+            pad_token_id=0,
+            **extra,
+            **settings,
+        ).sequences[:, ids.shape[1] :]
+        ours = dgemma.generate(model, prompts, mode="exact", seed=11, stop_token_ids=[1], pixels=pixels, **settings)
+        assert torch.equal(ours.sequences, ref), name
+
+
+def test_image_input_errors_name_the_problem(pair):
+    _, model = pair
+    _, ids, _, pixels = _inputs("one_image")
+    with pytest.raises(ValueError, match="no images were given"):
+        model.encode(ids, model.new_cache(1, ids.shape[1]))
+    few = image_prompt([_text(2, 0), 5], IMAGE, BOI, EOI)
+    with pytest.raises(ValueError, match="5 image placeholder tokens but its images give 6"):
+        model.encode(torch.tensor([few]), model.new_cache(1, len(few)), pixels=pixels)
+    import dataclasses
+
+    config = dataclasses.replace(dgemma.preset("tiny"), image_token_id=IMAGE)  # no vision_config: text only
+    text_only = dgemma.build(config)
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only.encode(ids, text_only.new_cache(1, ids.shape[1]), pixels=pixels)
