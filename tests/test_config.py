@@ -17,12 +17,13 @@ def _counted_on_modules(model) -> dict[str, int]:
     """Total and per-token active parameters read off the built modules (on meta too), to check
     config.count_parameters' arithmetic against what is actually built."""
     total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision_tower.", "embed_vision.")))
     t, inactive = model.text_config, 0
     if t.has_experts:
         for layer in model.layers:
             per_expert = (layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel()) // t.num_experts
             inactive += (t.num_experts - t.top_k_experts) * per_expert
-    return {"total": total, "active": total - inactive}
+    return {"total": total, "active": total - inactive - vision, "vision": vision}
 
 
 def test_26b_a4b_on_meta_reports_published_counts():

@@ -152,3 +152,10 @@ def test_image_input_errors_name_the_problem(pair):
     text_only = dgemma.build(config)
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.encode(ids, text_only.new_cache(1, ids.shape[1]), pixels=pixels)
+
+
+def test_parameter_counts_include_the_tower(pair):
+    _, model = pair
+    counts = dgemma.count_parameters(model.config)
+    tower = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision_tower.", "embed_vision.")))
+    assert counts["vision"] == tower > 0 and counts["total"] == sum(p.numel() for p in model.parameters())
