@@ -159,3 +159,30 @@ def test_parameter_counts_include_the_tower(pair):
     counts = dgemma.count_parameters(model.config)
     tower = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("vision_tower.", "embed_vision.")))
     assert counts["vision"] == tower > 0 and counts["total"] == sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def test_real_images_through_the_processor_match_transformers(pair):
+    """Pictures preprocessed by dgemma.images (equal to transformers' Pillow processor, test_images.py) give
+    the oracle's logits end to end."""
+    from PIL import Image
+    from transformers.cache_utils import DynamicCache
+
+    from dgemma.images import preprocess
+
+    oracle, model = pair
+    g = torch.Generator().manual_seed(0)
+    pictures = [
+        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+        for h, w in ((90, 160), (300, 40))
+    ]
+    pixels, counts = preprocess(pictures, budget=70)
+    prompt = image_prompt([_text(3, 0), counts[0], _text(2, 1), counts[1], _text(2, 2)], IMAGE, BOI, EOI)
+    ids = torch.tensor([prompt])
+    pkv = DynamicCache(config=oracle.config.text_config)
+    oracle_image_encode(oracle, ids, None, pixels, pkv)
+    cache = model.new_cache(1, ids.shape[1] + model.config.canvas_length)
+    model.encode(ids, cache, pixels=pixels)
+    canvas = torch.randint(0, 500, (1, model.config.canvas_length), generator=g)
+    ref = oracle(past_key_values=pkv, decoder_input_ids=canvas).logits
+    torch.testing.assert_close(model.denoise(canvas, cache), ref, rtol=0, atol=fp32_logit_tolerance(model))

@@ -1,0 +1,144 @@
+"""Images -> the vision tower's input (vision.Pixels), with Pillow only: no torchvision, no transformers.
+
+    image (a path, bytes, or a PIL image)
+      -> decoded, its decoded size capped (MAX_IMAGE_PIXELS), EXIF orientation applied (paths and bytes)
+      -> RGB: transparency composited onto white, every other mode (L, P, CMYK, I;16, ...) converted
+      -> resized (bicubic) to the largest H' x W' of whole 48-pixel cells with (H'/16)(W'/16) <= 9 x budget,
+         aspect ratio kept, up or down
+      -> / 255 (in float64, then float32), cut into 16 x 16 patches (row-major; inside a patch: row, column,
+         channel), each with its (column, row); padded to 9 x budget rows with zeros and (-1, -1)
+
+This is what transformers' `Gemma4ImageProcessorPil` computes, value for value (tests/test_images.py).
+Its torchvision backend resizes with another bicubic kernel (and rescales in float32), so its pixels differ
+from these by a few levels (shared/reference/vision.md section 6; benchmarks/image_backends.py measures
+it). `budget` is the most soft tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .vision import Pixels
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+DEFAULT_BUDGET = 280
+MAX_IMAGE_PIXELS = 50_000_000  # decoded pixels an image may have (a decompression bomb is refused first)
+PATCH, KERNEL = 16, 3
+
+
+def _pil():
+    try:
+        from PIL import Image, ImageOps
+    except ImportError as e:  # pragma: no cover - Pillow is a dependency
+        raise ImportError("images need Pillow: pip install pillow") from e
+    return Image, ImageOps
+
+
+def open_image(source, what: str = "image"):
+    """A decoded PIL image from a path, bytes or a PIL image, with a ValueError naming `what` for anything
+    that is not one (not an image, truncated, empty, too many pixels). Paths and bytes get their EXIF
+    orientation applied, as transformers does for the images it loads itself."""
+    Image, ImageOps = _pil()
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, str | Path):
+            try:
+                data = Path(source).read_bytes()
+            except OSError as e:
+                raise ValueError(f"{what}: cannot read {source} ({e.strerror or e})") from None
+        elif isinstance(source, bytes | bytearray | memoryview):
+            data = bytes(source)
+        else:
+            raise ValueError(f"{what}: expected a path, bytes or a PIL image (got {type(source).__name__})")
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:  # far past our own cap: Pillow refuses it at once
+            raise ValueError(f"{what} has more pixels than an image may have ({e})") from None
+        except (Image.UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{what} is not an image Pillow can read ({e})") from None
+        _check_size(image, what)
+        try:
+            image.load()
+            image = ImageOps.exif_transpose(image)
+        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            raise ValueError(f"{what} could not be decoded: {e}") from None
+    _check_size(image, what)
+    return image
+
+
+def _check_size(image, what: str) -> None:
+    w, h = image.size
+    if w <= 0 or h <= 0:
+        raise ValueError(f"{what} has no pixels ({w}x{h})")
+    if w * h > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{what} has {w}x{h} pixels, more than the {MAX_IMAGE_PIXELS:,} an image may have")
+
+
+def to_rgb(image):
+    """RGB, with any transparency composited onto white (as transformers' convert_to_rgb)."""
+    Image, _ = _pil()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def check_budget(budget: int) -> int:
+    if isinstance(budget, bool) or budget not in SOFT_TOKEN_BUDGETS:
+        raise ValueError(f"max_soft_tokens must be one of {SOFT_TOKEN_BUDGETS} (got {budget!r})")
+    return budget
+
+
+def target_size(height: int, width: int, budget: int) -> tuple[int, int]:
+    """The resized (height, width): whole cells of 48 pixels, at most 9 x budget patches, aspect kept."""
+    cell, max_patches = PATCH * KERNEL, budget * KERNEL**2
+    factor = math.sqrt(max_patches * PATCH**2 / (height * width))
+    h, w = math.floor(factor * height / cell) * cell, math.floor(factor * width / cell) * cell
+    longest = budget * cell  # a one-cell-wide strip holds at most `budget` cells
+    if h == 0 and w == 0:
+        raise ValueError(f"an image of {height}x{width} pixels cannot be resized to whole {cell}-pixel cells")
+    if h == 0:
+        h, w = cell, min(math.floor(width / height) * cell, longest)
+    elif w == 0:
+        w, h = cell, min(math.floor(height / width) * cell, longest)
+    return h, w
+
+
+def patchify(image) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RGB PIL image of whole patches -> patches [P, 16*16*3] in [0, 1] and their (x, y) [P, 2]."""
+    w, h = image.size
+    raw = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
+    pixels = (raw.double() * (1 / 255)).float()  # float64 then float32, as numpy does it there
+    ph, pw = h // PATCH, w // PATCH
+    patches = pixels.view(ph, PATCH, pw, PATCH, 3).permute(0, 2, 1, 3, 4).reshape(ph * pw, -1)
+    ys, xs = torch.meshgrid(torch.arange(ph), torch.arange(pw), indexing="ij")
+    return patches, torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
+
+
+def preprocess(images: Sequence, budget: int = DEFAULT_BUDGET, what: str = "image") -> tuple[Pixels, list[int]]:
+    """Images (paths, bytes or PIL images) -> the tower's Pixels and each image's soft-token count (the
+    number of placeholders its prompt needs). Errors name `what` and the image's index."""
+    Image, _ = _pil()
+    check_budget(budget)
+    rows = budget * KERNEL**2
+    values = torch.zeros(len(images), rows, 3 * PATCH**2)
+    positions = torch.full((len(images), rows, 2), -1, dtype=torch.long)
+    counts = []
+    for i, source in enumerate(images):
+        name = f"{what} {i}" if len(images) > 1 else what
+        image = to_rgb(open_image(source, name))
+        w, h = image.size
+        th, tw = target_size(h, w, budget)
+        if (th, tw) != (h, w):
+            image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
+        patches, xy = patchify(image)
+        values[i, : len(patches)] = patches
+        positions[i, : len(patches)] = xy
+        counts.append(len(patches) // KERNEL**2)
+    return Pixels(values, positions), counts

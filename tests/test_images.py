@@ -1,0 +1,112 @@
+"""Image preprocessing against transformers' Pillow backend (`Gemma4ImageProcessorPil`): the same pixel
+values (bit for bit: the same Pillow resize, the same float64 rescale), patch positions and soft-token
+counts, for many sizes and aspect ratios, every budget and every image mode; and bad images refused with
+errors that say what is wrong."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dgemma import images
+
+Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("transformers")
+
+SIZES = [(1, 1), (7, 3000), (3000, 7), (4000, 3000), (333, 517), (48, 48), (50, 1000), (1001, 999)]  # (w, h)
+
+
+def _oracle(budget: int):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(max_soft_tokens=budget)
+
+
+def _picture(w: int, h: int, mode: str = "RGB", seed: int = 0):
+    """Smooth gradients plus noise (resampling has edges and flat parts to get right)."""
+    g = torch.Generator().manual_seed(seed)
+    y, x = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+    base = torch.stack([x, y, (x + y) / 2], -1) * 200 + torch.randint(0, 55, (h, w, 3), generator=g)
+    rgb = Image.fromarray(base.to(torch.uint8).numpy(), "RGB")
+    if mode == "RGBA":
+        alpha = Image.fromarray((torch.rand(h, w, generator=g) * 255).to(torch.uint8).numpy(), "L")
+        rgba = rgb.convert("RGBA")
+        rgba.putalpha(alpha)
+        return rgba
+    if mode == "I;16":
+        return Image.fromarray((base[..., 0].to(torch.int32) * 250).numpy().astype("uint16"))  # mode I;16
+    return rgb.convert(mode)
+
+
+def _same(ours, counts, theirs) -> None:
+    assert torch.equal(ours.values, torch.as_tensor(theirs["pixel_values"]))
+    assert torch.equal(ours.positions, torch.as_tensor(theirs["image_position_ids"]).long())
+    assert counts == list(theirs["num_soft_tokens_per_image"])
+
+
+@pytest.mark.parametrize("budget", images.SOFT_TOKEN_BUDGETS)
+def test_pixels_match_the_pillow_processor_at_every_size(budget):
+    oracle = _oracle(budget)
+    for w, h in SIZES:
+        picture = _picture(w, h, seed=w + h)
+        ours, counts = images.preprocess([picture], budget)
+        _same(ours, counts, oracle(images=[picture], return_tensors="pt"))
+        assert counts[0] <= budget
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16", "1"])
+def test_pixels_match_the_pillow_processor_in_every_mode(mode):
+    oracle = _oracle(140)
+    pictures = [_picture(640, 480, mode, seed=1), _picture(90, 300, mode, seed=2)]  # two sizes, one call
+    assert pictures[0].mode == mode
+    ours, counts = images.preprocess(pictures, 140)
+    _same(ours, counts, oracle(images=pictures, return_tensors="pt"))
+
+
+def test_known_sizes_and_counts():
+    """vision.md's figures: 480x640 at 280 -> 672x912 (266 tokens); 100x100 -> 768x768 (256); 1000x300 at 70
+    -> 720x192 (60)."""
+    assert images.target_size(480, 640, 280) == (672, 912)
+    assert images.target_size(100, 100, 280) == (768, 768)
+    assert images.target_size(1000, 300, 70) == (720, 192)
+    _, counts = images.preprocess([_picture(640, 480), _picture(100, 100)], 280)
+    assert counts == [266, 256]
+
+
+def _png(picture) -> bytes:
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied_to_files_and_bytes(tmp_path):
+    picture = _picture(60, 20)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    path = tmp_path / "rotated.jpg"
+    picture.save(path, exif=exif)
+    opened = images.open_image(path)
+    assert opened.size == (20, 60)
+    assert images.open_image(path.read_bytes()).size == (20, 60)
+
+
+def test_bad_images_are_refused_with_a_reason(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="not an image"):
+        images.preprocess([b"this is text, not a picture"])
+    png = _png(_picture(64, 64))
+    with pytest.raises(ValueError, match="image 1"):  # the error names which image of the call
+        images.preprocess([png, png[: len(png) // 2]])
+    with pytest.raises(ValueError, match="no pixels"):
+        images.preprocess([Image.new("RGB", (0, 5))])
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(ValueError, match="more than the 1,000"):  # refused before it is decoded
+        images.preprocess([png])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="max_soft_tokens must be one of"):
+        images.preprocess([png], budget=100)
+    with pytest.raises(ValueError, match="cannot read"):
+        images.preprocess([tmp_path / "missing.png"])
+    with pytest.raises(ValueError, match="expected a path, bytes or a PIL image"):
+        images.preprocess([42])
