@@ -143,13 +143,40 @@ def report(result, args, text: str, extra: dict | None = None) -> None:
             print(" | ".join(f"{k} {v}" for k, v in info.items()), file=sys.stderr)
 
 
-def _prompt_ids(tokenizer, text: str, args) -> list[int]:
+def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], object]:
+    """The prompt's token ids, and the Pixels of its --image files (None without): images go before the
+    text, in the user's turn (or, with --raw, as image tokens before the text)."""
+    from . import images
+
+    pictures = list(getattr(args, "image", None) or [])
+    budget = getattr(args, "max_soft_tokens", images.DEFAULT_BUDGET)
     if args.raw or not tokenizer.chat_template:
-        return tokenizer.encode(text)
+        if not pictures:
+            return tokenizer.encode(text), None
+        marker = images.image_token_strings(tokenizer, config)[1]
+        return images.text_prompt(tokenizer, config, marker * len(pictures) + text, pictures, budget)
+    content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": text}]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": text}
+        {"role": "user", "content": content if pictures else text}
     ]
-    return tokenizer.apply_chat_template(messages, enable_thinking=True if args.reasoning else None)
+    thinking = True if args.reasoning else None
+    return images.chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking)
+
+
+def add_image_args(p) -> None:
+    """--image (repeatable) and --max-soft-tokens."""
+    from .images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS
+
+    p.add_argument(
+        "--image", action="append", metavar="PATH", help="an image for the prompt (repeatable; placed before the text)"
+    )
+    p.add_argument(
+        "--max-soft-tokens",
+        type=int,
+        choices=SOFT_TOKEN_BUDGETS,
+        default=DEFAULT_BUDGET,
+        help=f"the most soft tokens an image may take (default {DEFAULT_BUDGET})",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -164,13 +191,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = check_unicode(args.prompt, "--prompt")
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
+    if args.ar and args.image:
+        raise ValueError("--ar decodes text prompts only; leave out --image")
     runner, tokenizer = load_model_and_tokenizer(args)
-    ids = _prompt_ids(tokenizer, text, args)
+    if args.image and runner.model.vision_tower is None:
+        raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
+    ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config)
     if args.ar:
         limit = args.max_new_tokens or runner.model.generation_config.max_new_tokens
         events = stream_ar(runner, ids, limit, temperature=args.temperature, seed=args.seed)
     else:
-        events = stream(runner, ids, **sampling_overrides(args))
+        events = stream(runner, ids, pixels=pixels, **sampling_overrides(args))
     printer = TextPrinter(tokenizer)
     result = run_stream(events, tokenizer, args, printer)
     report(result, args, tokenizer.decode(result.tokens[0]))
@@ -278,6 +309,7 @@ def _register_generate(sub, epilog: str) -> None:
     g.add_argument("--prompt", "-p", help="the prompt (default, or '-': read stdin, as UTF-8)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--system", help="system message (chat template)")
+    add_image_args(g)
     add_reasoning_args(g)
     add_sampling_args(g)
     g.add_argument("--ar", action="store_true", help="decode autoregressively (token by token) instead")

@@ -135,6 +135,19 @@ def prompt_rows(prompt, tokenizer) -> list[list[int]]:
     return rows
 
 
+def _with_images(model: DiffusionGemma, prompt, tokenizer, pixels, images, budget: int):
+    """A text prompt with images -> its token ids (placeholders expanded) and the images' Pixels."""
+    from .images import text_prompt
+
+    if pixels is not None:
+        raise ValueError("give images= or pixels=, not both")
+    if not isinstance(prompt, str) or tokenizer is None:
+        raise ValueError("images= goes with a text prompt (one image token per image) and tokenizer=")
+    if model.vision_tower is None:
+        raise ValueError("this checkpoint has no vision tower (config.json has no vision_config): text only")
+    return text_prompt(tokenizer, model.config, prompt, list(images), budget)
+
+
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids [B, T] left-padded to the longest row, and the attention mask (None if nothing is padded)."""
     width = max(len(r) for r in rows)
@@ -433,6 +446,8 @@ def prepare(
     pins: torch.Tensor | None = None,
     cache: KVCache | None = None,
     pixels=None,
+    images=None,
+    max_soft_tokens: int = 280,
     **overrides,
 ) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
     """Validate the request, encode the prompt and return the canvas loop, a generator of events and
@@ -445,6 +460,8 @@ def prepare(
     p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
     if pins is not None and p.mode == "exact":
         raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
+    if images is not None:
+        prompt, pixels = _with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
     pad_id = model.generation_config.pad_token_id
     ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
@@ -481,6 +498,8 @@ def stream(
     pins: torch.Tensor | None = None,
     cache: KVCache | None = None,
     pixels=None,
+    images=None,
+    max_soft_tokens: int = 280,
     **overrides,
 ) -> Iterator[Event]:
     """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
@@ -489,10 +508,23 @@ def stream(
     `prompt`: token ids, a list of them (a batch, left-padded), or text (with `tokenizer`). `overrides` set
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
     sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache;
-    `pixels` (vision.Pixels) are the images whose placeholders the prompt holds, in order.
+    `images` (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a
+    chat template writes them; dgemma.images.chat_prompt makes one from messages), each given at most
+    `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts.
     """
     runner = as_runner(model)
-    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, pixels=pixels, **overrides)
+    loop = prepare(
+        runner,
+        prompt,
+        params,
+        tokenizer=tokenizer,
+        pins=pins,
+        cache=cache,
+        pixels=pixels,
+        images=images,
+        max_soft_tokens=max_soft_tokens,
+        **overrides,
+    )
     for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]

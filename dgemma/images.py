@@ -142,3 +142,60 @@ def preprocess(images: Sequence, budget: int = DEFAULT_BUDGET, what: str = "imag
         positions[i, : len(patches)] = xy
         counts.append(len(patches) // KERNEL**2)
     return Pixels(values, positions), counts
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts with images
+
+
+def image_token_strings(tokenizer, config) -> tuple[str, str, str]:
+    """The (begin-of-image, image placeholder, end-of-image) token strings of a checkpoint."""
+    ids = (config.boi_token_id, config.image_token_id, config.eoi_token_id)
+    if any(i is None for i in ids):
+        raise ValueError("this checkpoint's config.json has no image token ids (boi, image, eoi): text only")
+    strings = tuple(tokenizer.id_to_token(i) for i in ids)
+    if any(s is None for s in strings):
+        raise ValueError(f"the tokenizer has no tokens for the image ids {ids}")
+    return strings
+
+
+def expand_image_tokens(text: str, counts: list[int], tokens: tuple[str, str, str]) -> str:
+    """Each image token of `text` (one per image, as a chat template writes them) -> begin-of-image, that
+    image's placeholders, end-of-image: what transformers' Gemma 4 processor does."""
+    boi, image, eoi = tokens
+    pieces = text.split(image)
+    if len(pieces) - 1 != len(counts):
+        raise ValueError(f"the prompt has {len(pieces) - 1} image tokens ({image}) for {len(counts)} images")
+    return pieces[0] + "".join(f"{boi}{image * n}{eoi}{rest}" for n, rest in zip(counts, pieces[1:], strict=True))
+
+
+def text_prompt(
+    tokenizer, config, text: str, images: Sequence, budget: int = DEFAULT_BUDGET, *, add_special_tokens: bool = True
+):
+    """Token ids of `text` (one image token per image) with the images' placeholders, and their Pixels."""
+    pixels, counts = preprocess(images, budget)
+    expanded = expand_image_tokens(text, counts, image_token_strings(tokenizer, config))
+    return tokenizer.encode(expanded, add_special_tokens=add_special_tokens), pixels
+
+
+def images_of(messages: list[dict]) -> list:
+    """The images of chat messages in order: the `image` of every {"type": "image", "image": ...} part."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image":
+                if part.get("image") is None:
+                    raise ValueError(f"message {i} part {j}: an image part needs an 'image' (path, bytes or PIL image)")
+                found.append(part["image"])
+    return found
+
+
+def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
+    """Token ids of chat messages rendered by the checkpoint's template, image parts included, and the
+    images' Pixels (None without images)."""
+    found = images_of(messages)
+    text = tokenizer.render_chat(messages, **template_kwargs)
+    if not found:
+        return tokenizer.encode(text, add_special_tokens=False), None
+    return text_prompt(tokenizer, config, text, found, budget, add_special_tokens=False)  # the template wrote BOS

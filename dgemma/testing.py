@@ -74,8 +74,10 @@ def randomize_oracle(model, seed: int = 0, dense: bool = False) -> None:
             b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
 
 
-# Image token ids of the tiny vision checkpoints: inside the tiny vocabulary, outside the tokenizer's specials.
-TINY_IMAGE_IDS = {"boi_token_id": 500, "image_token_id": 501, "eoi_token_id": 502}
+# Gemma 4's image tokens (begin, placeholder, end), and their ids in the tiny vision checkpoints: the last
+# three of the 512-token vocabulary, where make_tokenizer(images=True) puts them.
+IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")
+TINY_IMAGE_IDS = {"boi_token_id": 509, "image_token_id": 510, "eoi_token_id": 511}
 
 
 def make_oracle_model(
@@ -173,8 +175,9 @@ def _tokenizer_corpus(words: int = 20_000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(_CORPUS_WORDS) for _ in range(200)) for _ in range(words // 200)]
 
 
-def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
-    """A byte-level BPE `dgemma.Tokenizer` with Gemma 4-style specials (ids 0..9) and the dgemma template."""
+def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, *, images: bool = False):
+    """A byte-level BPE `dgemma.Tokenizer` with Gemma 4-style specials (ids 0..9) and the dgemma template.
+    With `images`, Gemma 4's image tokens take the last three ids (TINY_IMAGE_IDS for a vocabulary of 512)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -186,12 +189,14 @@ def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(IMAGE_TOKENS) if images else vocab_size,
         special_tokens=SPECIAL_TOKENS,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
+    if images:
+        tok.add_special_tokens(list(IMAGE_TOKENS))
     special = {
         "bos_token": "<bos>",
         "eos_token": "<eos>",

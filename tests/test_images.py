@@ -110,3 +110,35 @@ def test_bad_images_are_refused_with_a_reason(tmp_path, monkeypatch):
         images.preprocess([tmp_path / "missing.png"])
     with pytest.raises(ValueError, match="expected a path, bytes or a PIL image"):
         images.preprocess([42])
+
+
+def test_chat_prompt_places_images_as_the_gemma4_processor_does():
+    """Image parts of chat messages render as one image token each (the template), then expand to
+    begin-of-image, that image's placeholders and end-of-image with transformers' own replacement strings
+    and counts (Gemma4Processor.replace_image_token on its Pillow processor's output)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    from dgemma.testing import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
+
+    tok = make_tokenizer(images=True)
+    config = SimpleNamespace(**TINY_IMAGE_IDS)
+    pictures = [_picture(640, 480, seed=3), _picture(50, 400, seed=4)]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": pictures[0]}, {"type": "text", "text": "and"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "image", "image": pictures[1]}, {"type": "text", "text": "what?"}]},
+    ]
+    ids, pixels = images.chat_prompt(tok, config, messages, budget=70)
+    processed = _oracle(70)(images=pictures, return_tensors="pt")
+    layout = SimpleNamespace(boi_token=IMAGE_TOKENS[0], image_token=IMAGE_TOKENS[1], eoi_token=IMAGE_TOKENS[2])
+    replacements = [Gemma4Processor.replace_image_token(layout, processed, i) for i in range(2)]
+    pieces = tok.render_chat(messages).split(IMAGE_TOKENS[1])
+    assert len(pieces) == 3  # one image token per image part
+    expected = pieces[0] + replacements[0] + pieces[1] + replacements[1] + pieces[2]
+    assert ids == tok.encode(expected, add_special_tokens=False)
+    assert torch.equal(pixels.values, torch.as_tensor(processed["pixel_values"]))
+    counts = list(processed["num_soft_tokens_per_image"])
+    assert ids.count(TINY_IMAGE_IDS["image_token_id"]) == sum(counts)
+    assert ids.count(TINY_IMAGE_IDS["boi_token_id"]) == ids.count(TINY_IMAGE_IDS["eoi_token_id"]) == 2

@@ -111,8 +111,10 @@ def test_errors(saved, tmp_path):
     tok = Tokenizer.from_dir(saved)
     with pytest.raises(ValueError, match="non-empty list"):
         tok.render_chat([])
-    with pytest.raises(ValueError, match="image content; dgemma runs the text model only"):
-        tok.render_chat([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}])
+    with pytest.raises(ValueError, match="image_url content"):  # OpenAI's shape is the server's to read
+        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])
+    with pytest.raises(ValueError, match=r"has an image: use dgemma\.images\.chat_prompt"):  # ids alone lose it
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}])
     with pytest.raises(ValueError, match="must be 'user' or 'assistant'"):
         tok.render_chat([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
     with pytest.raises(ValueError, match="string 'role'"):

@@ -186,3 +186,61 @@ def test_real_images_through_the_processor_match_transformers(pair):
     canvas = torch.randint(0, 500, (1, model.config.canvas_length), generator=g)
     ref = oracle(past_key_values=pkv, decoder_input_ids=canvas).logits
     torch.testing.assert_close(model.denoise(canvas, cache), ref, rtol=0, atol=fp32_logit_tolerance(model))
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory):
+    from dgemma.testing import make_tokenizer
+
+    path = tmp_path_factory.mktemp("vision-cli") / "ckpt"
+    make_oracle_checkpoint(path, images=True, seed=5)
+    make_tokenizer(images=True).save(path)
+    return path
+
+
+def _png(path, w: int, h: int, seed: int):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()).save(path)
+    return path
+
+
+def test_generate_takes_images_from_the_command_line_and_the_api(vision_dir, tmp_path, capsys):
+    """`dgemma generate --image A --image B` gives the tokens dgemma.generate gives for the same chat
+    messages with image parts (images before the text, in the user's turn)."""
+    import json
+
+    from dgemma.cli import main
+    from dgemma.images import chat_prompt
+
+    a, b = _png(tmp_path / "a.png", 120, 80, 1), _png(tmp_path / "b.png", 40, 200, 2)
+    flags = ["--max-new-tokens", "6", "--max-denoising-steps", "3", "--seed", "4", "--max-soft-tokens", "70"]
+    args = ["generate", "-m", str(vision_dir), "-p", "what is this?", "--image", str(a), "--image", str(b), "--json"]
+    assert main([*args, *flags]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    tok = dgemma.Tokenizer.from_dir(vision_dir)
+    model = dgemma.load(vision_dir)
+    content = [{"type": "image", "image": a}, {"type": "image", "image": b}, {"type": "text", "text": "what is this?"}]
+    ids, pixels = chat_prompt(tok, model.config, [{"role": "user", "content": content}], budget=70)
+    api = dgemma.generate(dgemma.accelerate(model), ids, pixels=pixels, max_new_tokens=6, max_denoising_steps=3, seed=4)
+    assert cli["text"] == tok.decode(api.tokens[0]) and cli["tokens"] == len(api.tokens[0])
+    # a text prompt with one image token per image, through generate(images=)
+    raw = dgemma.generate(model, "<|image|> hello", tokenizer=tok, images=[a], max_soft_tokens=70, max_new_tokens=4)
+    assert len(raw.tokens[0]) == 4
+
+
+def test_bad_images_on_the_command_line_are_errors_not_crashes(vision_dir, tmp_path, capsys):
+    from dgemma.cli import main
+
+    (tmp_path / "notes.txt").write_text("not a picture")
+    args = ["generate", "-m", str(vision_dir), "-p", "x", "--max-new-tokens", "2"]
+    assert main([*args, "--image", str(tmp_path / "notes.txt")]) == 2
+    assert "not an image" in capsys.readouterr().err
+    assert main([*args, "--image", str(tmp_path / "missing.png")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    picture = str(_png(tmp_path / "a.png", 10, 10, 0))
+    assert main([*args, "--image", picture, "--ar"]) == 2
+    assert "--ar" in capsys.readouterr().err
+    assert main(["generate", "-p", "x", "--max-new-tokens", "2", "--image", picture]) == 2  # the shipped code model
+    assert "no vision tower" in capsys.readouterr().err
