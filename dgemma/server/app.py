@@ -17,6 +17,8 @@ engine (choices.py), whose pieces are sent as SSE chunks or gathered into one JS
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import time
@@ -30,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..editing import InfillPlan, choose_middle, max_middle_length, plan_infill
 from ..engine import Engine
+from ..images import DEFAULT_BUDGET, chat_prompt, open_image
 from ..model import DiffusionGemma
 from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
@@ -191,8 +194,9 @@ def _check_model(served: _Served, name: str | None) -> None:
         )
 
 
-async def _tokenize(served: _Served, fn, *args, param: str, **kwargs) -> list[int]:
-    """Run a tokenizer call on a worker thread (a few at a time); its ValueErrors are 400s naming `param`."""
+async def _tokenize(served: _Served, fn, *args, param: str, **kwargs):
+    """Run a tokenizer or image call on a worker thread (a few at a time); its ValueErrors are 400s naming
+    `param`."""
     async with served.tokenizing:
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
@@ -295,8 +299,18 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     _check_chars(served, chars + len(json.dumps(body.tools or [])), "messages")
     thinking = True if body.reasoning else None
     tools = body.tools if use_tools else None
-    prompt = await _tokenize(
-        served, tok.apply_chat_template, messages, param="messages", enable_thinking=thinking, tools=tools
+    messages = await _decode_images(served, body, messages)
+    budget = body.max_soft_tokens or DEFAULT_BUDGET
+    prompt, pixels = await _tokenize(
+        served,
+        chat_prompt,
+        tok,
+        served.model.config,
+        messages,
+        budget,
+        param="messages",
+        enable_thinking=thinking,
+        tools=tools,
     )
     requested, param = body.requested_tokens
     max_tokens = _budget(served, requested, len(prompt), param, "messages")
@@ -308,6 +322,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         body.n,
         stops=body.stop,
         reasoning=body.reasoning,
+        pixels=pixels,
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
     )
@@ -319,6 +334,28 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         stream = _stream(chunks, pieces, choices, opening, len(prompt), usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
+
+
+async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:
+    """Image parts (data: URLs) decoded on worker threads into {"type": "image", "image": PIL image} parts;
+    a bad image is a 400 naming its part (messages.i.content.j)."""
+    wanted = [(i, j, url) for i, m in enumerate(body.messages) for j, url in m.image_urls()]
+    if not wanted:
+        return messages
+    if served.model.vision_tower is None:
+        i, j, _ = wanted[0]
+        raise ApiError(
+            400, "this model reads text only (its checkpoint has no vision tower)", f"messages.{i}.content.{j}"
+        )
+    for i, j, url in wanted:
+        where = f"messages.{i}.content.{j}"
+        try:
+            data = base64.b64decode(url.split(",", 1)[1], validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{where}: the data: URL is not valid base64", where) from None
+        picture = await _tokenize(served, open_image, data, where, param=where)
+        messages[i]["content"][j] = {"type": "image", "image": picture}
+    return messages
 
 
 async def _gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str]]:

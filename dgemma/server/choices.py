@@ -83,6 +83,7 @@ def submit(
     stops: list[str] | None,
     reasoning: bool,
     pins: torch.Tensor | None = None,
+    pixels=None,
     want_drafts: bool = False,
     timeout: float | None = None,
 ) -> list[Choice]:
@@ -96,7 +97,9 @@ def submit(
     for j, prompt in enumerate(prompts):
         for i in range(n):
             seed = None if params.seed is None else (params.seed + i) % 2**63
-            req = EngineRequest(prompt, replace(params, seed=seed), pins=pins, want_drafts=want_drafts, timeout=timeout)
+            req = EngineRequest(
+                prompt, replace(params, seed=seed), pins=pins, pixels=pixels, want_drafts=want_drafts, timeout=timeout
+            )
             req.events = _Sink(loop)
             try:
                 engine.submit(req)

@@ -24,6 +24,8 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
+MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
+IMAGE_BUDGETS = Literal[70, 140, 280, 560, 1120]  # dgemma.images.SOFT_TOKEN_BUDGETS
 
 
 class ApiError(Exception):
@@ -105,8 +107,28 @@ _NO_OP_VALUES: dict[str, tuple] = {
 # Requests
 
 
+def _image_part(i: int, part: dict) -> None:
+    """An OpenAI image part: {"type": "image_url", "image_url": {"url": "data:image/...;base64,...", "detail":
+    "auto"}}. Remote URLs are refused: the server fetches nothing a client names."""
+    image = part.get("image_url")
+    if set(part) - {"type", "image_url"} or not isinstance(image, dict) or set(image) - {"url", "detail"}:
+        raise ValueError(f"part {i} must be {{'type': 'image_url', 'image_url': {{'url': 'data:image/...'}}}}")
+    url = image.get("url")
+    if not isinstance(url, str):
+        raise ValueError(f"part {i}: image_url.url must be a string")
+    if url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"part {i}: this server does not fetch remote images; send the image as a data: URL "
+            "(data:image/png;base64,...)"
+        )
+    if not url.startswith("data:image/") or ";base64," not in url[:64]:
+        raise ValueError(f"part {i}: image_url.url must be a data:image/...;base64,... URL")
+    if image.get("detail", "auto") != "auto":
+        raise ValueError(f"part {i}: detail must be 'auto' (set the image's soft tokens with max_soft_tokens)")
+
+
 class Message(BaseModel):
-    """One chat message; `content` is a string or a list of text parts (this model reads text only)."""
+    """One chat message; `content` is a string or a list of parts: text, and images as data: URLs."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
@@ -130,9 +152,12 @@ class Message(BaseModel):
             raise ValueError("must be a string, a list of content parts, or null")
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                _image_part(i, part)
+                continue
             if kind != "text":
                 what = f"{kind} content" if isinstance(kind, str) else "a part that is not {'type': 'text', ...}"
-                raise ValueError(f"part {i} is {what}; this model takes text only")
+                raise ValueError(f"part {i} is {what}; this server takes text and image_url parts")
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
                 raise ValueError(f"part {i} must be {{'type': 'text', 'text': '...'}} and nothing else")
         return _valid_unicode(value)
@@ -140,8 +165,13 @@ class Message(BaseModel):
     def text(self) -> str:
         """The content as one string (text parts joined)."""
         if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
+            return "".join(part.get("text", "") for part in self.content)
         return self.content or ""
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, data: URL) of each image part."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [(j, p["image_url"]["url"]) for j, p in enumerate(parts) if p.get("type") == "image_url"]
 
 
 class StreamOptions(BaseModel):
@@ -233,6 +263,7 @@ class ChatCompletionRequest(DiffusionSettings):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = setting_field("max_new_tokens")
     reasoning: bool = False  # turn on thinking (the chat template's enable_thinking)
+    max_soft_tokens: IMAGE_BUDGETS | None = None  # extension: soft tokens an image may take (default 280)
     tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: bool | None = None
@@ -241,6 +272,21 @@ class ChatCompletionRequest(DiffusionSettings):
     reasoning_effort: Any = None
     functions: Any = None
     function_call: Any = None
+
+    @model_validator(mode="after")
+    def _images(self) -> ChatCompletionRequest:
+        count = sum(len(m.image_urls()) for m in self.messages)
+        if count > MAX_IMAGES:
+            raise PydanticCustomError(
+                "messages", f"messages: at most {MAX_IMAGES} images in one request (got {count})", {"name": "messages"}
+            )
+        if self.max_soft_tokens is not None and not count:
+            raise PydanticCustomError(
+                "max_soft_tokens",
+                "max_soft_tokens: applies to image parts, and there are none",
+                {"name": "max_soft_tokens"},
+            )
+        return self
 
     @property
     def requested_tokens(self) -> tuple[int | None, str]:
