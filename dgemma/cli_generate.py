@@ -215,8 +215,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     runner, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
+    from .images import chat_prompt
+
+    if args.image and runner.model.vision_tower is None:
+        raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
     session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    pictures = [{"type": "image", "image": p} for p in args.image or []]  # go with the first user turn
     print("dgemma chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
     while True:
         try:
@@ -228,10 +233,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() == "/reset":
             messages = messages[:1] if args.system else []
             continue
-        messages.append({"role": "user", "content": line})
-        ids = tokenizer.apply_chat_template(messages, enable_thinking=True if args.reasoning else None)
+        first = not any(m["role"] == "user" for m in messages)
+        content = [*pictures, {"type": "text", "text": line}] if first and pictures else line
+        messages.append({"role": "user", "content": content})
+        thinking = True if args.reasoning else None
+        ids, pixels = chat_prompt(
+            tokenizer, runner.model.config, messages, args.max_soft_tokens, enable_thinking=thinking
+        )
         printer = TextPrinter(tokenizer)
-        result = run_stream(session.stream(ids, **sampling_overrides(args)), tokenizer, args, printer)
+        events = session.stream(ids, pixels=pixels, **sampling_overrides(args))
+        result = run_stream(events, tokenizer, args, printer)
         reply = tokenizer.decode(result.tokens[0])
         report(result, args, reply)
         messages.append({"role": "assistant", "content": reply})
@@ -327,6 +338,7 @@ def _register_chat(sub, epilog: str) -> None:
     )
     add_model_args(c)
     c.add_argument("--system", help="system message")
+    add_image_args(c)
     add_reasoning_args(c)
     c.add_argument(
         "--max-context",

@@ -244,3 +244,28 @@ def test_bad_images_on_the_command_line_are_errors_not_crashes(vision_dir, tmp_p
     assert "--ar" in capsys.readouterr().err
     assert main(["generate", "-p", "x", "--max-new-tokens", "2", "--image", picture]) == 2  # the shipped code model
     assert "no vision tower" in capsys.readouterr().err
+
+
+def test_chat_with_an_image_keeps_it_across_turns(vision_dir, tmp_path, monkeypatch, capsys):
+    """`dgemma chat --image A`: the image goes with the first turn; later turns reuse its cached keys, and a
+    session that rebuilds its cache runs the image again from the pixels it kept."""
+    import json
+
+    from dgemma.cli import main
+    from dgemma.generate import Session
+    from dgemma.images import chat_prompt
+
+    a = _png(tmp_path / "a.png", 90, 60, 3)
+    lines = iter(["what is it?", "and now?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    flags = ["--max-new-tokens", "4", "--max-denoising-steps", "2", "--seed", "1", "--max-soft-tokens", "70", "--json"]
+    assert main(["chat", "-m", str(vision_dir), "--image", str(a), *flags]) == 0
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(turns) == 2
+    tok, model = dgemma.Tokenizer.from_dir(vision_dir), dgemma.load(vision_dir)
+    session = Session(model, max_length=256, tokenizer=tok)
+    first = [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "hi"}]}]
+    ids, pixels = chat_prompt(tok, model.config, first, 70)
+    session.generate(ids, pixels=pixels, max_new_tokens=4, max_denoising_steps=2, seed=1)
+    session.generate([*ids, 7, 8], max_new_tokens=4, max_denoising_steps=2, seed=1)  # continues: text only
+    session.generate(ids[:-1], max_new_tokens=4, max_denoising_steps=2, seed=1)  # rebuilt: the image again
