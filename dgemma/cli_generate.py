@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .cli_common import (
     add_model_args,
@@ -150,17 +151,36 @@ def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], obj
 
     pictures = list(getattr(args, "image", None) or [])
     budget = getattr(args, "max_soft_tokens", images.DEFAULT_BUDGET)
+    video = _video_part(args)
     if args.raw or not tokenizer.chat_template:
+        if video:
+            raise ValueError("--video-frames go through the chat template; leave out --raw")
         if not pictures:
             return tokenizer.encode(text), None
         marker = images.image_token_strings(tokenizer, config)[1]
         return images.text_prompt(tokenizer, config, marker * len(pictures) + text, pictures, budget)
-    content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": text}]
+    content = [{"type": "image", "image": p} for p in pictures] + video + [{"type": "text", "text": text}]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": content if pictures else text}
     ]
     thinking = True if args.reasoning else None
     return images.chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _video_part(args) -> list[dict]:
+    """--video-frames DIR as a video part: its image files in name order, at --fps."""
+    directory = getattr(args, "video_frames", None)
+    if directory is None:
+        return []
+    if not directory.is_dir():
+        raise ValueError(f"--video-frames {directory}: not a directory")
+    frames = sorted(p for p in directory.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not frames:
+        raise ValueError(f"--video-frames {directory}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return [{"type": "video", "video": frames, "fps": args.fps}]
 
 
 def add_image_args(p) -> None:
@@ -170,6 +190,14 @@ def add_image_args(p) -> None:
     p.add_argument(
         "--image", action="append", metavar="PATH", help="an image for the prompt (repeatable; placed before the text)"
     )
+    p.add_argument(
+        "--video-frames",
+        type=Path,
+        metavar="DIR",
+        help="a video as a directory of frames (image files in name order), after the images; each frame "
+        "takes up to 70 soft tokens",
+    )
+    p.add_argument("--fps", type=float, default=1.0, help="frames per second of --video-frames (default 1)")
     p.add_argument(
         "--max-soft-tokens",
         type=int,
@@ -191,10 +219,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text = check_unicode(args.prompt, "--prompt")
     if not text.strip():
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
-    if args.ar and args.image:
+    if args.ar and (args.image or args.video_frames):
         raise ValueError("--ar decodes text prompts only; leave out --image")
     runner, tokenizer = load_model_and_tokenizer(args)
-    if args.image and runner.model.vision_tower is None:
+    if (args.image or args.video_frames) and runner.model.vision_tower is None:
         raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
     ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config)
     if args.ar:
@@ -217,11 +245,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
     from .images import chat_prompt
 
-    if args.image and runner.model.vision_tower is None:
+    if (args.image or args.video_frames) and runner.model.vision_tower is None:
         raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
     session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    pictures = [{"type": "image", "image": p} for p in args.image or []]  # go with the first user turn
+    pictures = [{"type": "image", "image": p} for p in args.image or []] + _video_part(args)  # the first turn
     print("dgemma chat: empty line or Ctrl-D to quit, /reset to start over.", file=sys.stderr)
     while True:
         try:

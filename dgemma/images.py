@@ -178,24 +178,69 @@ def text_prompt(
     return tokenizer.encode(expanded, add_special_tokens=add_special_tokens), pixels
 
 
-def images_of(messages: list[dict]) -> list:
-    """The images of chat messages in order: the `image` of every {"type": "image", "image": ...} part."""
+VIDEO_MARKER = "<|video|>"  # what a chat template writes for a video part (Gemma 4's video token)
+VIDEO_FRAME_BUDGET = 70  # soft tokens per video frame, as Gemma 4's processor gives them
+
+
+def media_of(messages: list[dict]) -> list[tuple[str, object, float | None]]:
+    """The images and videos of chat messages in order: ("image", source, None) for every
+    {"type": "image", "image": ...} part, ("video", [frames...], fps) for every
+    {"type": "video", "video": [frame, ...], "fps": 1.0} part (frames are images)."""
     found = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") == "image":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
                 if part.get("image") is None:
                     raise ValueError(f"message {i} part {j}: an image part needs an 'image' (path, bytes or PIL image)")
-                found.append(part["image"])
+                found.append(("image", part["image"], None))
+            elif kind == "video":
+                frames, fps = part.get("video"), part.get("fps", 1.0)
+                if not isinstance(frames, list | tuple) or not frames:
+                    raise ValueError(f"message {i} part {j}: a video part needs 'video', a non-empty list of frames")
+                if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 60:
+                    raise ValueError(f"message {i} part {j}: fps must be a number in (0, 60] (got {fps!r})")
+                found.append(("video", list(frames), float(fps)))
     return found
 
 
+def frames_text(counts: list[int], fps: float, tokens: tuple[str, str, str]) -> str:
+    """A video's frames as Gemma 4's processor lays them out: "MM:SS <frame>" for each frame, joined by
+    spaces, each frame begin-of-image, its placeholders, end-of-image (DiffusionGemma has no video token,
+    so the placeholders are image tokens), the time of frame k being k / fps."""
+    boi, image, eoi = tokens
+
+    def stamp(k: int) -> str:
+        seconds = int(k / fps)
+        return f"{seconds // 60:02d}:{seconds % 60:02d}"
+
+    return " ".join(f"{stamp(k)} {boi}{image * n}{eoi}" for k, n in enumerate(counts))
+
+
 def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
-    """Token ids of chat messages rendered by the checkpoint's template, image parts included, and the
-    images' Pixels (None without images)."""
-    found = images_of(messages)
+    """Token ids of chat messages rendered by the checkpoint's template, image and video parts included,
+    and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET."""
+    found = media_of(messages)
     text = tokenizer.render_chat(messages, **template_kwargs)
     if not found:
         return tokenizer.encode(text, add_special_tokens=False), None
-    return text_prompt(tokenizer, config, text, found, budget, add_special_tokens=False)  # the template wrote BOS
+    tokens = image_token_strings(tokenizer, config)
+    groups, pieces = [], []
+    rest = text
+    for kind, source, fps in found:
+        marker = tokens[1] if kind == "image" else VIDEO_MARKER
+        head, sep, rest = rest.partition(marker)
+        if not sep:
+            raise ValueError(f"the chat template wrote fewer {kind} tokens than the messages have {kind}s")
+        if kind == "image":
+            pixels, counts = preprocess([source], budget)
+            pieces += [head, expand_image_tokens(marker, counts, tokens)]
+        else:
+            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame")
+            pieces += [head, frames_text(counts, fps, tokens)]
+        groups.append(pixels)
+    if tokens[1] in rest or VIDEO_MARKER in rest:
+        raise ValueError("the prompt has more image or video tokens than the messages have images and videos")
+    ids = tokenizer.encode("".join(pieces) + rest, add_special_tokens=False)  # the template wrote BOS
+    return ids, Pixels.cat(groups)

@@ -77,9 +77,9 @@ def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind in ("image_url", "video", "audio"):  # images come as {"type": "image", "image": ...}
+                if kind in ("image_url", "audio"):  # images come as {"type": "image", "image": ...}
                     raise ValueError(
-                        f"message {i} has {kind} content; dgemma takes text and {{'type': 'image', 'image': ...}} parts"
+                        f"message {i} has {kind} content; dgemma takes text, image and video (frames) parts"
                     )
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"message {i}: content must be a string or a list of parts (got {type(content).__name__})")
@@ -246,9 +246,11 @@ class Tokenizer:
         with images go through dgemma.images.chat_prompt, which returns their pixels too."""
         for i, m in enumerate(messages if isinstance(messages, list) else []):
             parts = m.get("content") if isinstance(m, dict) else None
-            if isinstance(parts, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in parts):
+            if isinstance(parts, list) and any(
+                isinstance(p, dict) and p.get("type") in ("image", "video") for p in parts
+            ):
                 raise ValueError(
-                    f"message {i} has an image: use dgemma.images.chat_prompt(tokenizer, model.config, messages), "
-                    "which gives the token ids and the images' pixels"
+                    f"message {i} has an image or video: use dgemma.images.chat_prompt(tokenizer, model.config, "
+                    "messages), which gives the token ids and the images' pixels"
                 )
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)

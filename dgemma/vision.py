@@ -276,6 +276,15 @@ class Pixels:
     def to(self, device) -> Pixels:
         return Pixels(self.values.to(device), self.positions.to(device))
 
+    @staticmethod
+    def cat(groups: list[Pixels]) -> Pixels:
+        """Images of several budgets as one batch, in order: each padded to the most patch rows (padding
+        rows are masked and pooled away, so each image's soft tokens stay its own)."""
+        rows = max(g.values.shape[1] for g in groups)
+        values = [F.pad(g.values, (0, 0, 0, rows - g.values.shape[1])) for g in groups]
+        positions = [F.pad(g.positions, (0, 0, 0, rows - g.positions.shape[1]), value=-1) for g in groups]
+        return Pixels(torch.cat(values), torch.cat(positions))
+
 
 def image_blocks(is_image: torch.Tensor) -> torch.Tensor:
     """[B, T] bool (image placeholder or not) -> block ids [B, T]: each run of consecutive placeholders (one

@@ -142,3 +142,37 @@ def test_chat_prompt_places_images_as_the_gemma4_processor_does():
     counts = list(processed["num_soft_tokens_per_image"])
     assert ids.count(TINY_IMAGE_IDS["image_token_id"]) == sum(counts)
     assert ids.count(TINY_IMAGE_IDS["boi_token_id"]) == ids.count(TINY_IMAGE_IDS["eoi_token_id"]) == 2
+
+
+def test_video_frames_are_laid_out_as_the_gemma4_processor_does():
+    """A video part: each frame a budget-70 image after its "MM:SS" time, joined by spaces: Gemma 4's
+    processor layout (Gemma4Processor.replace_video_token), with image tokens as the placeholders since
+    DiffusionGemma has no video token."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    from dgemma.testing import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
+
+    frames = [_picture(320, 240, seed=k) for k in range(3)]
+    fps = 0.5
+    counts = images.preprocess(frames, images.VIDEO_FRAME_BUDGET)[1]
+    layout = SimpleNamespace(boi_token=IMAGE_TOKENS[0], video_token=IMAGE_TOKENS[1], eoi_token=IMAGE_TOKENS[2])
+    meta = SimpleNamespace(fps=fps, timestamps=[k / fps for k in range(3)])
+    theirs = Gemma4Processor.replace_video_token(
+        layout, {"num_soft_tokens_per_video": [counts[0]], "video_metadata": [meta]}, 0
+    )
+    assert images.frames_text(counts, fps, IMAGE_TOKENS) == theirs and theirs.startswith("00:00 ")
+    tok = make_tokenizer(images=True)
+    config = SimpleNamespace(**TINY_IMAGE_IDS)
+    content = [
+        {"type": "image", "image": _picture(100, 80)},
+        {"type": "video", "video": frames, "fps": fps},
+        {"type": "text", "text": "what happens?"},
+    ]
+    ids, pixels = images.chat_prompt(tok, config, [{"role": "user", "content": content}], budget=140)
+    assert pixels.values.shape[:2] == (4, 9 * 140)  # the image and three frames, padded to the larger budget
+    assert ids.count(TINY_IMAGE_IDS["boi_token_id"]) == 4
+    assert "00:04" in tok.decode(ids) and theirs.replace(" ", "") in tok.decode(ids).replace(" ", "")
+    with pytest.raises(ValueError, match="fps must be"):
+        images.chat_prompt(tok, config, [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 0}]}])

@@ -269,3 +269,44 @@ def test_chat_with_an_image_keeps_it_across_turns(vision_dir, tmp_path, monkeypa
     session.generate(ids, pixels=pixels, max_new_tokens=4, max_denoising_steps=2, seed=1)
     session.generate([*ids, 7, 8], max_new_tokens=4, max_denoising_steps=2, seed=1)  # continues: text only
     session.generate(ids[:-1], max_new_tokens=4, max_denoising_steps=2, seed=1)  # rebuilt: the image again
+
+
+@torch.no_grad()
+def test_frames_padded_beside_a_larger_image_keep_their_soft_tokens(pair):
+    """Pixels.cat pads a video's budget-70 frames to an image's larger budget: padding rows are masked and
+    pooled away, so each frame's soft tokens are those of the frame run alone (to rounding: other row counts)."""
+    from PIL import Image
+
+    from dgemma.images import preprocess
+    from dgemma.vision import Pixels
+
+    _, model = pair
+    g = torch.Generator().manual_seed(2)
+    frames = [
+        Image.fromarray(torch.randint(0, 256, (60, 90, 3), generator=g, dtype=torch.uint8).numpy()) for _ in range(2)
+    ]
+    alone, counts = preprocess(frames, 70)
+    image, image_counts = preprocess([frames[0]], 280)
+    together = model.image_features(Pixels.cat([image, alone]))
+    ref = model.image_features(alone)
+    vision = model.vision_tower.config
+    tol = fp32_tolerance(ref.abs().max().item(), vision.hidden_size, vision.num_hidden_layers + 1)
+    torch.testing.assert_close(together[image_counts[0] :], ref, rtol=0, atol=tol)
+    assert together.shape[0] == image_counts[0] + sum(counts)
+
+
+def test_video_frames_from_the_command_line(vision_dir, tmp_path, capsys):
+    import json
+
+    from dgemma.cli import main
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for k in range(3):
+        _png(frames / f"{k:03d}.png", 64, 48, k)
+    (frames / "notes.txt").write_text("not a frame")  # other files are passed over
+    args = ["generate", "-m", str(vision_dir), "-p", "what happens?", "--video-frames", str(frames), "--fps", "2"]
+    assert main([*args, "--max-new-tokens", "3", "--max-denoising-steps", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] <= 3
+    assert main([*args, "--raw", "--max-new-tokens", "3"]) == 2
+    assert "--raw" in capsys.readouterr().err
