@@ -9,6 +9,7 @@ runner = dgemma.accelerate(model)                     # fast modules (+ CUDA gra
 dgemma.generate(runner, prompt_ids)
 """
 
+from . import images
 from .ar import generate_ar, stream_ar
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, count_parameters, preset
 from .editing import edit, fill, infill
@@ -41,6 +42,7 @@ __all__ = [
     "fill",
     "generate",
     "generate_ar",
+    "images",
     "infill",
     "load",
     "preset",
