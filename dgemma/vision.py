@@ -77,6 +77,20 @@ class VisionConfig:
         return config
 
 
+# The released 26B-A4B's tower as Gemma 4's 26B/31B configs give it (shared/reference/vision.md section 1,
+# inferred: read the checkpoint's own config.json when you have it): 569.5M parameters + 3.2M projection.
+RELEASED_VISION_CONFIG = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 72,
+    "standardize": True,
+}
+
+
 class ClippableLinear(nn.Module):
     """A bias-free Linear kept under `.linear` (the checkpoint's name), optionally clamping its input and
     output to stored bounds (`use_clipped_linears`)."""

@@ -99,3 +99,75 @@ def test_playground_shows_errors(server, browser):
     _set(browser, "key", "wrong")  # a wrong API key: the page shows the server's error instead of failing silently
     _run(browser)
     assert browser.find_element("css selector", "#output .error").text
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    from live_server import KEY, LiveServer
+
+    import dgemma
+    from dgemma.server.app import create_app
+    from dgemma.testing import make_oracle_checkpoint, make_tokenizer
+
+    path = tmp_path_factory.mktemp("playground-vision") / "ckpt"
+    make_oracle_checkpoint(path, images=True, seed=7)
+    make_tokenizer(images=True).save(path)
+    app = create_app(dgemma.load(path), dgemma.Tokenizer.from_dir(path), model_name="tiny", api_key=KEY)
+    with LiveServer(app) as live:
+        yield live
+
+
+def _png_base64() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (96, 64), (30, 120, 200)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+GIVE_IMAGE = """
+const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+const file = new File([bytes], 'picture.png', {type: 'image/png'});
+const data = new DataTransfer(); data.items.add(file);
+if (arguments[1] === 'drop') {
+  document.getElementById('image-box').dispatchEvent(new DragEvent('drop', {dataTransfer: data, bubbles: true}));
+} else {
+  document.getElementById('prompt').dispatchEvent(new ClipboardEvent('paste', {clipboardData: data, bubbles: true}));
+}
+"""
+
+
+@pytest.mark.parametrize("how", ["drop", "paste"])
+def test_playground_sends_a_dropped_or_pasted_image(vision_server, browser, how):
+    """Chat mode: an image dropped on the page (or pasted) goes to the server as a data: URL: the answer's
+    prompt counts the image's soft tokens, and removing it sends text alone again."""
+    from live_server import KEY
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(vision_server.url + "/")
+    _set(browser, "key", KEY)
+    browser.find_element("css selector", "input[name=mode][value=chat]").click()
+    assert browser.find_element("id", "image-box").is_displayed()
+    _set(browser, "prompt", "What colour is it?")
+    _set(browser, "max_tokens", "4")
+    _set(browser, "steps", "2")
+    _run(browser)
+    text_only = int(browser.find_element("id", "stats").get_attribute("data-prompt-tokens"))
+    browser.execute_script(GIVE_IMAGE, _png_base64(), how)
+    WebDriverWait(browser, 10).until(lambda b: b.find_element("id", "thumb").is_displayed())
+    _run(browser)
+    stats = browser.find_element("id", "stats")
+    assert stats.text.startswith("done: "), stats.text
+    with_image = int(stats.get_attribute("data-prompt-tokens"))
+    from dgemma.images import target_size
+
+    h, w = target_size(64, 96, 280)
+    soft = (h // 48) * (w // 48)  # the image's soft tokens at the default budget
+    # plus begin and end of image; the text beside the image may split into one token more or fewer
+    assert soft + 1 <= with_image - text_only <= soft + 3, (with_image, text_only, soft)
+    browser.find_element("id", "no-image").click()
+    _run(browser)
+    assert int(browser.find_element("id", "stats").get_attribute("data-prompt-tokens")) == text_only
