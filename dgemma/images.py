@@ -121,6 +121,13 @@ def patchify(image) -> tuple[torch.Tensor, torch.Tensor]:
     return patches, torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
 
 
+def count_soft_tokens(source, budget: int = DEFAULT_BUDGET) -> int:
+    """The soft tokens an image takes at `budget` (its placeholders), from its size alone."""
+    image = open_image(source)
+    th, tw = target_size(image.size[1], image.size[0], budget)
+    return (th // PATCH) * (tw // PATCH) // KERNEL**2
+
+
 def preprocess(images: Sequence, budget: int = DEFAULT_BUDGET, what: str = "image") -> tuple[Pixels, list[int]]:
     """Images (paths, bytes or PIL images) -> the tower's Pixels and each image's soft-token count (the
     number of placeholders its prompt needs). Errors name `what` and the image's index."""

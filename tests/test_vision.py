@@ -310,3 +310,64 @@ def test_video_frames_from_the_command_line(vision_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] <= 3
     assert main([*args, "--raw", "--max-new-tokens", "3"]) == 2
     assert "--raw" in capsys.readouterr().err
+
+
+def _image_records(tmp_path, n: int = 8):
+    """Chat records whose answer is the colour of a one-colour picture: learnable only by looking."""
+    import json
+
+    from PIL import Image
+
+    (tmp_path / "pics").mkdir()
+    colours = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(n):
+            name = list(colours)[i % 2]
+            Image.new("RGB", (48 + 16 * i, 48), colours[name]).save(tmp_path / "pics" / f"{i}.png")
+            user = [{"type": "image", "image": f"pics/{i}.png"}, {"type": "text", "text": "colour?"}]
+            record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": name}]}
+            f.write(json.dumps({**record, "max_soft_tokens": 70}) + "\n")
+    return tmp_path / "data.jsonl"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_training_with_images(vision_dir, tmp_path, lora):
+    """dgemma train on chat records with images: the images reach the loss (a full fine-tune updates the
+    tower; LoRA leaves it frozen), losses are finite and the run resumes exactly."""
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.trainer import train
+
+    data = _image_records(tmp_path)
+    sections = {
+        "model": {"path": str(vision_dir)},
+        "data": {"train": str(data), "max_length": 160},
+        "train": {"steps": 4, "batch_size": 2, "out_dir": str(tmp_path / "run"), "save_every": 2},
+        "optim": {"lr": 1e-2, "warmup_steps": 1},
+    }
+    if lora:
+        sections["lora"] = {"r": 4, "alpha": 8}
+    cfg = TrainConfig.from_dict(sections, base_dir=tmp_path)
+    result = train(cfg, progress=False)
+    assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+    before = dgemma.load(vision_dir).state_dict()["vision_tower.patch_embedder.input_proj.weight"]
+    if not lora:
+        after = dgemma.load(result.final_dir).state_dict()["vision_tower.patch_embedder.input_proj.weight"]
+        assert not torch.equal(before, after)  # the gradient went through the placed soft tokens
+    cfg.train.out_dir = str(tmp_path / "again")
+    assert train(cfg, progress=False, stop_after=2).losses + train(cfg, progress=False).losses == result.losses
+
+
+def test_training_records_with_bad_images_name_their_line(vision_dir, tmp_path):
+    from dgemma.images import image_token_strings
+    from dgemma.train.data import DataError, load_jsonl
+
+    data = _image_records(tmp_path, n=2)
+    tok, model = dgemma.Tokenizer.from_dir(vision_dir), dgemma.load(vision_dir)
+    tokens = image_token_strings(tok, model.config)
+    examples, _ = load_jsonl(data, tok, vocab_size=512, max_length=160, image_tokens=tokens)
+    assert examples[0].images and examples[0].prompt.count(TINY_IMAGE_IDS["image_token_id"]) == 64  # 48x48, enlarged
+    (tmp_path / "pics" / "1.png").write_bytes(b"broken")
+    with pytest.raises(DataError, match=r"data.jsonl:2: .*not an image"):
+        load_jsonl(data, tok, vocab_size=512, max_length=160, image_tokens=tokens)
+    with pytest.raises(DataError, match=r"data.jsonl:1: .*no vision tower"):
+        load_jsonl(data, tok, vocab_size=512, max_length=160)

@@ -6,6 +6,11 @@ One record per line, in one of three forms:
     {"prompt": "...", "completion": "..."}
     {"prompt_ids": [2, 17, ...], "completion_ids": [40, 41, ...]}     (already tokenised)
 
+Chat records may hold images in the prompt's messages: `{"type": "image", "image": "shapes/0001.png"}` parts
+(paths relative to the JSONL file), each expanded to its placeholders as at inference (dgemma.images); the
+images are read again, and preprocessed, when their batch is assembled. `"max_soft_tokens"` sets a
+record's image budget (default 280).
+
 Any record may add `"pinned": [0, 1, 1, 0, ...]` (one flag per response token): positions that will be
 given at inference (a template's fixed cells, an infill's suffix). They are never noised in training and
 not scored, so training sees the canvases inference will see.
@@ -39,6 +44,8 @@ class Example:
     truncated: bool = False
     line: int = 0  # 1-based line in the source file (0: built in code)
     pinned: tuple[bool, ...] | None = None  # response positions given at inference (never noised, not scored)
+    images: tuple[str, ...] = ()  # the prompt's images (paths), in order
+    image_budget: int = 280  # their max_soft_tokens
 
 
 class DataError(ValueError):
@@ -49,7 +56,8 @@ def _fail(path: Path, line: int, message: str) -> DataError:
     return DataError(f"{path}:{line}: {message}")
 
 
-def _render_chat(tokenizer, messages: list[dict], path: Path, line: int) -> tuple[list[int], list[int]]:
+def _render_chat(tokenizer, messages: list[dict], path: Path, line: int, images=None) -> tuple[list[int], list[int]]:
+    """`images`: (image token strings, each image's soft-token count), for messages with image parts."""
     if not messages or messages[-1].get("role") != "assistant":
         raise _fail(path, line, "the last message must be the assistant's reply (role 'assistant')")
     if not isinstance(messages[-1].get("content"), str) or not messages[-1]["content"].strip():
@@ -67,6 +75,14 @@ def _render_chat(tokenizer, messages: list[dict], path: Path, line: int) -> tupl
             "the reply, so the reply cannot be told apart; use prompt/completion records instead",
         )
     response_text = full_text[len(prompt_text) :].rstrip("\n")
+    if images is not None:
+        from ..images import expand_image_tokens
+
+        tokens, counts = images
+        try:
+            prompt_text = expand_image_tokens(prompt_text, counts, tokens)
+        except ValueError as e:
+            raise _fail(path, line, str(e)) from e
     return (
         tokenizer.encode(prompt_text, add_special_tokens=False),
         tokenizer.encode(response_text, add_special_tokens=False),
@@ -82,8 +98,8 @@ def _check_ids(ids, vocab_size: int, path: Path, line: int, name: str) -> list[i
     return ids
 
 
-def tokenize_record(record, tokenizer, vocab_size: int, path: Path, line: int, use_chat_template: bool):
-    """(prompt ids, response ids) of one parsed record."""
+def tokenize_record(record, tokenizer, vocab_size: int, path: Path, line: int, use_chat_template: bool, images=None):
+    """(prompt ids, response ids) of one parsed record; `images` as _render_chat takes them."""
     if not isinstance(record, dict):
         raise _fail(path, line, f"each line must be a JSON object (got {type(record).__name__})")
     if "prompt_ids" in record or "completion_ids" in record:
@@ -101,7 +117,7 @@ def tokenize_record(record, tokenizer, vocab_size: int, path: Path, line: int, u
             raise _fail(path, line, "'messages' must be a list of {'role': ..., 'content': ...} objects")
         if not tokenizer.chat_template:
             raise _fail(path, line, "chat records need a tokenizer with a chat template")
-        return _render_chat(tokenizer, messages, path, line)
+        return _render_chat(tokenizer, messages, path, line, images)
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
@@ -122,8 +138,10 @@ def load_jsonl(
     vocab_size: int,
     max_length: int,
     use_chat_template: bool = True,
+    image_tokens: tuple[str, str, str] | None = None,
 ) -> tuple[list[Example], dict[str, int]]:
-    """Tokenised examples of a JSONL file and counts of what was kept, truncated and skipped."""
+    """Tokenised examples of a JSONL file and counts of what was kept, truncated and skipped.
+    `image_tokens` (dgemma.images.image_token_strings) lets records hold images."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training data {path} not found")
@@ -137,7 +155,9 @@ def load_jsonl(
                 record = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise _fail(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from e
-            prompt, response = tokenize_record(record, tokenizer, vocab_size, path, line_no, use_chat_template)
+            pictures, budget, counts_of = _record_images(record, path, line_no, image_tokens)
+            images = None if not pictures else (image_tokens, counts_of)
+            prompt, response = tokenize_record(record, tokenizer, vocab_size, path, line_no, use_chat_template, images)
             pinned = record.get("pinned")
             if pinned is not None:
                 if not isinstance(pinned, list) or len(pinned) != len(response) or any(p not in (0, 1) for p in pinned):
@@ -158,10 +178,35 @@ def load_jsonl(
                 response = response[: max_length - len(prompt)]
                 pinned = None if pinned is None else pinned[: len(response)]
                 counts["truncated"] += 1
-            examples.append(Example(prompt, response, truncated, line_no, pinned))
+            examples.append(Example(prompt, response, truncated, line_no, pinned, pictures, budget))
     if not examples:
         raise DataError(f"{path}: no usable examples ({counts})")
     return examples, counts
+
+
+def _record_images(record, path: Path, line: int, image_tokens) -> tuple[tuple[str, ...], int, list[int]]:
+    """A chat record's image paths (resolved), budget, and each image's soft-token count."""
+    from .. import images
+
+    messages = record.get("messages") if isinstance(record, dict) else None
+    try:
+        found = images.media_of(messages) if isinstance(messages, list) else []
+    except ValueError as e:
+        raise _fail(path, line, str(e)) from e
+    if not found:
+        return (), images.DEFAULT_BUDGET, []
+    if image_tokens is None:
+        raise _fail(path, line, "this record has images, and the model has no vision tower (or no image tokens)")
+    if any(kind != "image" or not isinstance(src, str) for kind, src, _ in found):
+        raise _fail(path, line, "training images are {'type': 'image', 'image': 'relative/path.png'} parts")
+    budget = record.get("max_soft_tokens", images.DEFAULT_BUDGET)
+    paths = tuple(str(path.parent / src) for _, src, _ in found)
+    try:
+        images.check_budget(budget)
+        counts = [images.count_soft_tokens(p, budget) for p in paths]
+    except ValueError as e:
+        raise _fail(path, line, str(e)) from e
+    return paths, budget, counts
 
 
 def epoch_order(num_examples: int, epoch: int, seed: int) -> list[int]:

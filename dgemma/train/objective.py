@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..images import preprocess
 from ..model import DiffusionGemma
+from ..vision import Pixels
 from .data import Example
 
 LOSSES = ("flat", "reweighted", "mean_loo")
@@ -115,6 +117,7 @@ class Batch:
     supervised: torch.Tensor  # [B, C] bool: canvas positions in the diffusion loss
     t: torch.Tensor  # [B]
     self_condition: torch.Tensor  # [B] bool
+    pixels: Pixels | None = None  # the prompts' images, row after row (as their placeholders come)
 
     @property
     def tokens(self) -> int:
@@ -180,7 +183,14 @@ def assemble(
         supervised,
         torch.tensor([s.t for s in samples]),
         torch.tensor([s.self_condition for s in samples]),
+        _batch_pixels([s.example for s in samples]),
     )
+
+
+def _batch_pixels(examples: list[Example]) -> Pixels | None:
+    """The images of a batch's prompts, preprocessed now (examples keep paths, not pixels)."""
+    groups = [preprocess(ex.images, ex.image_budget)[0] for ex in examples if ex.images]
+    return Pixels.cat(groups) if groups else None
 
 
 def _mean(per_token: torch.Tensor, weight: torch.Tensor, normalization: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,12 +244,13 @@ def diffusion_loss(logits: torch.Tensor, batch: Batch, cfg: ObjectiveConfig, voc
 def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict]:
     """The loss of one batch and its parts (floats, for logging)."""
     device = model.device
-    batch = Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in vars(batch).values()))
+    batch = Batch(*(x.to(device) if isinstance(x, torch.Tensor | Pixels) else x for x in vars(batch).values()))
     b, width = batch.ids.shape
     if cfg.encoder_loss_weight == 0:  # no next-token loss: encode only the prefix the canvases may see
         width = batch.canvas_start
     cache = model.new_cache(b, width, keep_all=True)
-    hidden = model.encode(batch.ids[:, :width], cache, attention_mask=batch.valid[:, :width]).hidden_states
+    mask = batch.valid[:, :width]
+    hidden = model.encode(batch.ids[:, :width], cache, attention_mask=mask, pixels=batch.pixels).hidden_states
     ar = encoder_loss(model, hidden, batch, cfg)[0] if cfg.encoder_loss_weight else hidden.new_zeros(())
     if cfg.diffusion_loss_weight == 0:  # a plain autoregressive model (e.g. an AR twin): no decoder passes
         loss = cfg.encoder_loss_weight * ar

@@ -186,7 +186,7 @@ def train_stage2(cfg: TrainConfig, *, progress: bool | None = None, stop_after: 
         raise ValueError("stage 2 needs the task's tokenizer (data.tokenizer, or tokenizer.json in model.path)")
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     c = model.config.canvas_length
-    examples, eval_examples, counts = load_data(cfg, tokenizer, model.text_config.vocab_size)
+    examples, eval_examples, counts = load_data(cfg, tokenizer, model)
     long = [e.line for e in examples if len(e.response) > c]
     if long:
         raise ValueError(

@@ -149,18 +149,27 @@ def _check_overrides(overrides: dict, text: dict) -> None:
 
 
 def load_data(
-    cfg: TrainConfig, tokenizer: Tokenizer | None, vocab_size: int
+    cfg: TrainConfig, tokenizer: Tokenizer | None, model: DiffusionGemma
 ) -> tuple[list[Example], list[Example] | None, dict[str, int]]:
     """The training examples, the evaluation examples (None without data.eval), and the training file's
-    counts of kept, truncated and skipped records."""
+    counts of kept, truncated and skipped records. Records may hold images when the model has a tower."""
+    image_tokens = None
+    if tokenizer is not None and model.vision_tower is not None:
+        from ..images import image_token_strings
+
+        try:
+            image_tokens = image_token_strings(tokenizer, model.config)
+        except ValueError:
+            image_tokens = None  # records with images are refused, naming their line
 
     def read(path: str) -> tuple[list[Example], dict[str, int]]:
         return load_jsonl(
             cfg.resolve(path),
             tokenizer,
-            vocab_size=vocab_size,
+            vocab_size=model.text_config.vocab_size,
             max_length=cfg.data.max_length,
             use_chat_template=cfg.data.chat_template,
+            image_tokens=image_tokens,
         )
 
     examples, counts = read(cfg.data.train)
@@ -353,7 +362,7 @@ class Batches:
 def _batches(cfg: TrainConfig, model: DiffusionGemma, tokenizer: Tokenizer | None, device: torch.device) -> Batches:
     """Load stage 1's data and check that the global batch divides into micro-batches and processes."""
     text = model.text_config
-    examples, held_out, counts = load_data(cfg, tokenizer, text.vocab_size)
+    examples, held_out, counts = load_data(cfg, tokenizer, model)
     distributed.print0(
         f"data: {len(examples)} training examples ({counts})"
         + (f", {len(held_out)} for evaluation" if held_out else "")
