@@ -61,3 +61,28 @@ def server(model_dir):
     )
     with LiveServer(app) as live:
         yield live
+
+
+@pytest.fixture(scope="session")
+def vision_dir(tmp_path_factory):
+    """A tiny checkpoint with a vision tower (image blocks bidirectional) and a tokenizer with image tokens."""
+    from dgemma.testing import make_tokenizer
+
+    path = tmp_path_factory.mktemp("vision") / "ckpt"
+    make_oracle_checkpoint(path, images=True, seed=5)
+    make_tokenizer(images=True).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vision_server(vision_dir):
+    """A live server (API key `live_server.KEY`) on the vision checkpoint."""
+    pytest.importorskip("uvicorn")
+    from live_server import KEY, LiveServer
+
+    import dgemma
+    from dgemma.server.app import create_app
+
+    app = create_app(dgemma.load(vision_dir), dgemma.Tokenizer.from_dir(vision_dir), model_name="tiny", api_key=KEY)
+    with LiveServer(app) as live:
+        yield live

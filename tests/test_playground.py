@@ -101,22 +101,6 @@ def test_playground_shows_errors(server, browser):
     assert browser.find_element("css selector", "#output .error").text
 
 
-@pytest.fixture(scope="module")
-def vision_server(tmp_path_factory):
-    from live_server import KEY, LiveServer
-
-    import dgemma
-    from dgemma.server.app import create_app
-    from dgemma.testing import make_oracle_checkpoint, make_tokenizer
-
-    path = tmp_path_factory.mktemp("playground-vision") / "ckpt"
-    make_oracle_checkpoint(path, images=True, seed=7)
-    make_tokenizer(images=True).save(path)
-    app = create_app(dgemma.load(path), dgemma.Tokenizer.from_dir(path), model_name="tiny", api_key=KEY)
-    with LiveServer(app) as live:
-        yield live
-
-
 def _png_base64() -> str:
     import base64
     import io

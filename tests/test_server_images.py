@@ -11,27 +11,19 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.testing import make_oracle_checkpoint, make_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-from live_server import KEY, LiveServer  # noqa: E402
+from live_server import KEY  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
 SETTINGS = {"max_tokens": 6, "max_denoising_steps": 3, "seed": 3}
 
 
-@pytest.fixture(scope="module")
-def vision(tmp_path_factory):
-    from dgemma.server.app import create_app
-
-    path = tmp_path_factory.mktemp("served-vision") / "ckpt"
-    make_oracle_checkpoint(path, images=True, seed=6)
-    make_tokenizer(images=True).save(path)
-    app = create_app(dgemma.load(path), dgemma.Tokenizer.from_dir(path), model_name="tiny", api_key=KEY)
-    with LiveServer(app) as live:
-        yield live, path
+@pytest.fixture()
+def vision(vision_server, vision_dir):
+    return vision_server, vision_dir
 
 
 def _png(w: int, h: int, seed: int = 0) -> bytes:

@@ -188,16 +188,6 @@ def test_real_images_through_the_processor_match_transformers(pair):
     torch.testing.assert_close(model.denoise(canvas, cache), ref, rtol=0, atol=fp32_logit_tolerance(model))
 
 
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory):
-    from dgemma.testing import make_tokenizer
-
-    path = tmp_path_factory.mktemp("vision-cli") / "ckpt"
-    make_oracle_checkpoint(path, images=True, seed=5)
-    make_tokenizer(images=True).save(path)
-    return path
-
-
 def _png(path, w: int, h: int, seed: int):
     from PIL import Image
 
