@@ -246,6 +246,12 @@ def main_direct(args: argparse.Namespace) -> None:
     print(f"| **total ({args.quant})** | **{total / GIB:.2f} GiB** |")
     print(f"| total if bf16 (computed) | {bf16_bytes / GIB:.2f} GiB |")
     print(f"| total if int8 (computed) | {int8_bytes / GIB:.2f} GiB |")
+    vision = vision_bytes(config)
+    print(
+        f"| + the vision tower, bf16 in every mode (computed) | {vision / GIB:.2f} GiB: "
+        f"{100 * vision / (vision + total):.1f}% beside {args.quant}, {100 * vision / (vision + bf16_bytes):.1f}% "
+        "beside bf16 |"
+    )
     print("\n| phase | seconds |\n|---|---:|")
     for name, lap in phases.items():
         print(f"| {f'build (random {args.quant} weights)' if name == 'build' else name} | {lap['seconds']:.1f} |")
@@ -264,6 +270,7 @@ def main_direct(args: argparse.Namespace) -> None:
         "param_bytes_by_component": by_component,
         "bf16_param_bytes": bf16_bytes,
         "int8_param_bytes": int8_bytes,
+        "vision_tower_bytes_bf16": vision,  # not built here (the text model is); computed from its shape
         "peak_rss_bytes": peak,
         "peak_rss_gib": peak / GIB,
         "seconds": {name: lap["seconds"] for name, lap in phases.items()},
@@ -272,6 +279,14 @@ def main_direct(args: argparse.Namespace) -> None:
     }
     print(json.dumps(record))
     sys.stdout.flush()
+
+
+def vision_bytes(config: DiffusionGemmaConfig) -> int:
+    """The released vision tower and projection in bf16 (dgemma's quantization keeps it so)."""
+    from dgemma.vision import RELEASED_VISION_CONFIG, VisionConfig, count_vision_parameters
+
+    tower = VisionConfig.from_dict(RELEASED_VISION_CONFIG)
+    return 2 * count_vision_parameters(tower, config.text_config.hidden_size)
 
 
 # ------------------------------------------------------------------------------------------------
