@@ -4,6 +4,7 @@
 2. infilling: the middle of a small function, written with both sides in view;
 3. editing: one span of a function rewritten, everything else kept;
 4. a Sudoku solved by the Sudoku model, the grid filling in;
+5. a picture described by the small vision-language model: the colour of a shape it has not seen;
 then the statistics of each part (denoising steps, tokens per forward, tokens/s).
 
 In a terminal the canvases redraw in place (rich); when the output is not a terminal the demo prints
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .tasks.code import MODEL_DIR as CODE_MODEL_DIR
+from .tasks.shapes import MODEL_DIR as SHAPES_MODEL_DIR
 
 GENERATE_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
 INFILL_PREFIX = "def mean(values):\n    total = "
@@ -180,6 +182,25 @@ def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, 
     return Part("sudoku", blanks, s.steps_per_canvas[0][0], s.decoder_forward_passes[0], seconds)
 
 
+def _image_part(screen: Screen, seed: int) -> Part:
+    """A held-out scene (dgemma/tasks/shapes.py), shown as text, and the model's answer about it."""
+    from .runner import accelerate
+    from .tasks import shapes
+    from .tokenizer import Tokenizer
+    from .weights import load
+
+    screen.title("5. An image: the small vision-language model names a colour")
+    model, tok = load(SHAPES_MODEL_DIR), Tokenizer.from_dir(SHAPES_MODEL_DIR)
+    image, shape, colour = shapes.scene(shapes.SPLITS["test"][0] + seed)
+    screen.print(f"a held-out picture ({shapes.SIZE}x{shapes.SIZE}): a {colour} {shape}; {shapes.QUESTIONS['colour']}")
+    t0 = time.perf_counter()
+    said, result = shapes.ask(accelerate(model), tok, image, "colour", seed=seed)
+    seconds = time.perf_counter() - t0
+    screen.print(f"-> {said}" + ("" if said == colour else f" (the picture's colour is {colour})"))
+    s = result.stats
+    return Part("image", len(result.tokens[0]), sum(s.steps_per_canvas[0]), s.decoder_forward_passes[0], seconds)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the tour; return 0."""
     import torch
@@ -207,6 +228,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ]
     if not args.no_sudoku:
         parts.append(_sudoku_part(screen, args.sudoku_model, args.seed, args.quant, args.group_size))
+    if SHAPES_MODEL_DIR.joinpath("config.json").is_file():
+        parts.append(_image_part(screen, args.seed))
     screen.title("Statistics")
     screen.print(f"{'part':10s} {'tokens':>7s} {'steps':>6s} {'tok/forward':>12s} {'tok/s':>8s} {'seconds':>8s}")
     for p in parts:

@@ -26,6 +26,7 @@ import torch
 from .vision import Pixels
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+GEMMA4_IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # begin of image, placeholder, end of image
 DEFAULT_BUDGET = 280
 MAX_IMAGE_PIXELS = 50_000_000  # decoded pixels an image may have (a decompression bomb is refused first)
 PATCH, KERNEL = 16, 3

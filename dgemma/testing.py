@@ -76,7 +76,7 @@ def randomize_oracle(model, seed: int = 0, dense: bool = False) -> None:
 
 # Gemma 4's image tokens (begin, placeholder, end), and their ids in the tiny vision checkpoints: the last
 # three of the 512-token vocabulary, where make_tokenizer(images=True) puts them.
-IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")
+IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # dgemma.images.GEMMA4_IMAGE_TOKENS
 TINY_IMAGE_IDS = {"boi_token_id": 509, "image_token_id": 510, "eoi_token_id": 511}
 
 

@@ -342,7 +342,7 @@ def test_demo_json_prints_the_statistics_alone(capsys):
     assert main(["demo", "--json", "--no-sudoku", "--plain"]) == 0  # the shipped code model
     captured = capsys.readouterr()
     out = json.loads(captured.out)  # the whole of stdout: one JSON object
-    assert [p["name"] for p in out["parts"]] == ["generate", "infill", "edit"] and out["seconds"] > 0
+    assert [p["name"] for p in out["parts"]] == ["generate", "infill", "edit", "image"] and out["seconds"] > 0
     assert all(p["steps"] >= 1 and p["forwards"] >= 1 for p in out["parts"])
     assert "1. A canvas of random tokens" in captured.err and "== Statistics ==" in captured.err
 

@@ -32,6 +32,9 @@ class ModelSection:
     canvas_length: int | None = None  # on top of the preset
     dtype: str = "fp32"  # weights' dtype while training (fp32 recommended on CPU)
     init_seed: int = 0  # random initialisation of a preset
+    # a vision tower for a preset (config.json vision_config fields); the image token ids are the
+    # tokenizer's <|image>, <|image|>, <image|>, and image tokens attend both ways (as the released model)
+    vision: dict[str, Any] | None = None
 
 
 @dataclass

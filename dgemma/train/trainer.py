@@ -109,6 +109,22 @@ def prepare(cfg: TrainConfig, *, multi_process: bool = True) -> tuple[DiffusionG
     return model, tokenizer, device
 
 
+def _add_vision(config: DiffusionGemmaConfig, vision: dict, tokenizer: Tokenizer | None) -> None:
+    """model.vision: a tower on a preset, its image tokens taken from the tokenizer."""
+    from ..images import GEMMA4_IMAGE_TOKENS
+    from ..vision import VisionConfig
+
+    if tokenizer is None:
+        raise ValueError("model.vision needs a tokenizer with Gemma 4's image tokens (data.tokenizer)")
+    ids = [tokenizer.token_to_id(t) for t in GEMMA4_IMAGE_TOKENS]
+    if None in ids:
+        raise ValueError(f"model.vision: the tokenizer lacks the image tokens {GEMMA4_IMAGE_TOKENS}")
+    config.vision_config = {"model_type": "gemma4_vision", **vision}
+    VisionConfig.from_dict(config.vision_config, source="the recipe's model.vision")
+    config.boi_token_id, config.image_token_id, config.eoi_token_id = ids
+    config.text_config.use_bidirectional_attention = "vision"
+
+
 def build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, Tokenizer | None]:
     """The model to train (a checkpoint, or a preset with the recipe's overrides) and its tokenizer."""
     dtype = resolve_dtype(cfg.model.dtype)
@@ -129,6 +145,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma,
             config = DiffusionGemmaConfig.from_dict({**config.to_dict(), "text_config": text}, source=source)
         if cfg.model.canvas_length is not None:
             config.canvas_length = cfg.model.canvas_length
+        if cfg.model.vision is not None:
+            _add_vision(config, cfg.model.vision, tokenizer)
         model = build(config, device=device, dtype=dtype, seed=cfg.model.init_seed)
     if tokenizer is not None and tokenizer.vocab_size > model.text_config.vocab_size:
         raise ValueError(
