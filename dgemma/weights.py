@@ -337,9 +337,17 @@ def hf_state_dict(model: DiffusionGemma) -> Iterator[tuple[str, torch.Tensor]]:
 # Writing
 
 
+def _file_mode() -> int:
+    """The mode open() would give a new file (0666 less the umask): mkstemp's own is 0600, private."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that a crash leaves the old file or the new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, _file_mode())
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -357,6 +365,7 @@ def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: 
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, _file_mode())  # after: safetensors writes the file anew
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -232,3 +232,18 @@ def test_progress_line(moe_ckpt, capfd):
     load_quiet(moe_ckpt[0], progress=True)
     err = capfd.readouterr().err
     assert "loading" in err and "tensors" in err and err.endswith("\n")
+
+
+def test_saved_files_have_the_usual_permissions(moe_ckpt, tmp_path):
+    """Atomic saves go through a temporary file; the files end with the mode open() gives (0666 less the
+    umask), not the temporary file's private 0600."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        dgemma.save(load_quiet(moe_ckpt[0]), tmp_path / "out")
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
