@@ -38,7 +38,6 @@ def load_for_bench(args: argparse.Namespace):
 
     from .bench import random_model
     from .cli_common import make_runner, resolve_device
-    from .runner import Runner
     from .weights import resolve_dtype
 
     device = resolve_device(args.device)
@@ -55,9 +54,7 @@ def load_for_bench(args: argparse.Namespace):
 
         model, tokenizer = load_model(args)
         label = str(args.model)
-    if args.kernels == "reference":
-        return make_runner(model, args), tokenizer, label
-    return Runner(model, fast=True, compile=args.compile, graphs=False if args.no_graphs else None), tokenizer, label
+    return make_runner(model, args, graphs=False if args.no_graphs else None), tokenizer, label
 
 
 def format_table(r, label: str) -> str:

@@ -155,15 +155,16 @@ def _default_model_dir() -> Path:
     return MODEL_DIR
 
 
-def make_runner(model, args: argparse.Namespace):
-    """The Runner that --kernels and --compile ask for (fast modules unless --kernels reference)."""
+def make_runner(model, args: argparse.Namespace, *, graphs: bool | None = None):
+    """The Runner that --kernels and --compile ask for (fast modules unless --kernels reference); `graphs`
+    as Runner takes it (None: on CUDA when the step can be captured)."""
     from .runner import Runner
 
     if args.kernels == "reference":
         if args.compile:
             raise ValueError("--compile compiles the fast modules; it does not go with --kernels reference")
         return Runner(model)
-    return Runner(model, fast=True, compile=args.compile)
+    return Runner(model, fast=True, compile=args.compile, graphs=graphs)
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):

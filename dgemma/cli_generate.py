@@ -222,8 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.ar and (args.image or args.video_frames):
         raise ValueError("--ar decodes text prompts only; leave out --image")
     runner, tokenizer = load_model_and_tokenizer(args)
-    if (args.image or args.video_frames) and runner.model.vision_tower is None:
-        raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
+    _check_vision(args, runner.model)
     ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config)
     if args.ar:
         limit = args.max_new_tokens or runner.model.generation_config.max_new_tokens
@@ -236,6 +235,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_vision(args, model) -> None:
+    """--image / --video-frames need a checkpoint with a vision tower."""
+    if (args.image or args.video_frames) and model.vision_tower is None:
+        raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the KV cache is reused across turns."""
     from .generate import Session
@@ -245,8 +250,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
     from .images import chat_prompt
 
-    if (args.image or args.video_frames) and runner.model.vision_tower is None:
-        raise ValueError(f"{args.model} has no vision tower (config.json has no vision_config): it reads text only")
+    _check_vision(args, runner.model)
     session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     pictures = [{"type": "image", "image": p} for p in args.image or []] + _video_part(args)  # the first turn

@@ -86,7 +86,7 @@ def _has_type(value, hint) -> bool:
     return isinstance(value, hint)
 
 
-def _check_types(d: dict[str, Any], hints: dict[str, Any], source: str) -> None:
+def check_types(d: dict[str, Any], hints: dict[str, Any], source: str) -> None:
     """Raise a ValueError naming the file, the key, the expected type and the value of each ill-typed key."""
     errors = [
         f"{key} must be {_describe_type(hint)} (got {d[key]!r})"
@@ -321,10 +321,10 @@ class TextConfig:
             "per_layer_config": dict | None,
         }
         hints.update(attention_k_eq_v=bool | None)
-        _check_types(d, hints, where)
+        check_types(d, hints, where)
         for name, rope in (d.get("rope_parameters") or {}).items():
             rope_hints = {"rope_type": str, "rope_theta": float, "partial_rotary_factor": float}
-            _check_types(rope, rope_hints, f"{where} rope_parameters[{name!r}]")
+            check_types(rope, rope_hints, f"{where} rope_parameters[{name!r}]")
         bidir = d.get("use_bidirectional_attention")
         if bidir == "all":
             raise ValueError(
@@ -401,7 +401,7 @@ def _read_per_layer_config(per_layer: dict, layer_types: list[str] | None, d: di
     unknown = set(override) - {"head_dim", "num_key_value_heads"}
     if unknown:
         raise ValueError(f"text_config.per_layer_config: unsupported per-layer fields {sorted(unknown)}")
-    _check_types(override, {"head_dim": int, "num_key_value_heads": int | None}, f"{where}.per_layer_config")
+    check_types(override, {"head_dim": int, "num_key_value_heads": int | None}, f"{where}.per_layer_config")
     return {
         "global_head_dim": override.get("head_dim", d.get("head_dim", 256)),
         "num_global_key_value_heads": override.get("num_key_value_heads"),
@@ -443,7 +443,7 @@ class DiffusionGemmaConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         _check_keys(d, [*names, "model_type", "tie_word_embeddings"], _CONFIG_KEYS_UNUSED, source)
         hints = {**typing.get_type_hints(cls), "canvas_length": int, "tie_word_embeddings": bool | None}
-        _check_types(d, {k: v for k, v in hints.items() if k != "text_config"}, source)
+        check_types(d, {k: v for k, v in hints.items() if k != "text_config"}, source)
         return cls(
             text_config=TextConfig.from_dict(text, source),
             canvas_length=d.get("canvas_length", 256),
@@ -507,11 +507,11 @@ class GenerationConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         _check_keys(d, [*names, "sampler_config"], _GENERATION_LOOKALIKES, source, warn=False)
         d = {k: v for k, v in d.items() if v is not None}
-        _check_types(d, {**typing.get_type_hints(cls), "sampler_config": dict}, source)
+        check_types(d, {**typing.get_type_hints(cls), "sampler_config": dict}, source)
         sampler = d.pop("sampler_config", None)
         if sampler:
             _check_keys(sampler, ["entropy_bound"], frozenset(), f"{source} sampler_config", warn=False)
-            _check_types(sampler, {"entropy_bound": float | None}, f"{source} sampler_config")
+            check_types(sampler, {"entropy_bound": float | None}, f"{source} sampler_config")
         if sampler and sampler.get("entropy_bound") is not None:
             d.setdefault("entropy_bound", sampler["entropy_bound"])
         return cls(**{k: v for k, v in d.items() if k in names})

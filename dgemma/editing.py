@@ -142,7 +142,7 @@ def fill(
         _check_ids([x for x in t if x is not None], vocab, f"template {i}")
         if all(x is not None for x in t):
             raise ValueError(f"template {i} has no hole (None) to fill")
-    pins = torch.tensor([[-1 if x is None else x for x in t] for t in batch], dtype=torch.long)
+    pins = template_pins(batch)
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt or []] * len(batch)
     if len(prompts) != len(batch):
         raise ValueError(f"{len(prompts)} prompts for {len(batch)} templates")
@@ -154,6 +154,11 @@ def fill(
         )
     overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
     return generate(runner, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
+
+
+def template_pins(templates: list[list[int | None]]) -> torch.Tensor:
+    """Templates of equal length as generate's `pins` [rows, length]: the given ids, -1 at the holes."""
+    return torch.tensor([[-1 if t is None else t for t in row] for row in templates], dtype=torch.long)
 
 
 def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
@@ -196,7 +201,7 @@ class InfillPlan:
 
     def pins(self) -> torch.Tensor:
         """The templates as fill's pins [rows, canvas] (-1 at the holes)."""
-        return torch.tensor([[-1 if t is None else t for t in row] for row in self.templates], dtype=torch.long)
+        return template_pins(self.templates)
 
 
 def plan_infill(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
 from .model import DiffusionGemma
 from .runner import Runner, as_runner
@@ -447,7 +448,7 @@ def prepare(
     cache: KVCache | None = None,
     pixels=None,
     images=None,
-    max_soft_tokens: int = 280,
+    max_soft_tokens: int = DEFAULT_BUDGET,
     **overrides,
 ) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
     """Validate the request, encode the prompt and return the canvas loop, a generator of events and
@@ -497,9 +498,6 @@ def stream(
     tokenizer=None,
     pins: torch.Tensor | None = None,
     cache: KVCache | None = None,
-    pixels=None,
-    images=None,
-    max_soft_tokens: int = 280,
     **overrides,
 ) -> Iterator[Event]:
     """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
@@ -510,21 +508,11 @@ def stream(
     sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache;
     `images` (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a
     chat template writes them; dgemma.images.chat_prompt makes one from messages), each given at most
-    `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts.
+    `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts
+    (these three, like the SamplingParams fields, go to `prepare`).
     """
     runner = as_runner(model)
-    loop = prepare(
-        runner,
-        prompt,
-        params,
-        tokenizer=tokenizer,
-        pins=pins,
-        cache=cache,
-        pixels=pixels,
-        images=images,
-        max_soft_tokens=max_soft_tokens,
-        **overrides,
-    )
+    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
     for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]

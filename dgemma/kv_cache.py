@@ -167,6 +167,10 @@ class KVCache:
             self.has_padding = self.has_padding or not bool(self.valid[:, start:end].all())
         self._pending = num_tokens
         q = torch.arange(start, end, device=self.device)
+        same = None  # new tokens of one image, [B, T, T]: the same for every layer type
+        if blocks is not None:
+            blocks = blocks.to(self.device)
+            same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
             k = torch.cat([self.prefix_positions(sliding), q])  # [S]
@@ -175,9 +179,8 @@ class KVCache:
                 allowed &= (q[:, None] - k[None, :]) < self.window
             # A padded query sees nothing real; let it see itself so softmax stays finite (its output is unused).
             allowed |= (k[None, :] == q[:, None])[None] & ~self.valid[:, q][:, :, None]
-            if blocks is not None:
-                same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)  # [B, T, T]
-                allowed[:, :, -num_tokens:] |= same.to(self.device)
+            if same is not None:
+                allowed[:, :, -num_tokens:] |= same
             masks[layer_type] = allowed[:, None]
         return q, masks
 

@@ -387,9 +387,10 @@ class DiffusionGemma(nn.Module):
 
         is_image = input_ids == self.config.image_token_id
         features = self.image_features(pixels)
-        if int(is_image.sum()) != features.shape[0]:
+        placeholders = int(is_image.sum())
+        if placeholders != features.shape[0]:
             raise ValueError(
-                f"the prompt has {int(is_image.sum())} image placeholder tokens but its images give "
+                f"the prompt has {placeholders} image placeholder tokens but its images give "
                 f"{features.shape[0]} soft tokens"
             )
         x = x.masked_scatter(is_image[..., None], features.to(x.dtype))  # no sqrt(M) scaling: as the reference

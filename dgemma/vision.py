@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import check_types
 from .model import RMSNorm, gelu_tanh
 
 
@@ -61,16 +62,7 @@ class VisionConfig:
         kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
         if "rope_theta" in rope:
             kwargs["rope_theta"] = rope["rope_theta"]
-        hints = typing.get_type_hints(cls)
-        for name, value in kwargs.items():
-            kind = hints[name]
-            ok = (
-                isinstance(value, (int, float)) and not isinstance(value, bool)
-                if kind is float
-                else type(value) is kind
-            )
-            if not ok:
-                raise ValueError(f"{where}: {name} must be {kind.__name__} (got {value!r})")
+        check_types(kwargs, typing.get_type_hints(cls), where)
         config = cls(**kwargs)
         if config.num_attention_heads % config.num_key_value_heads or config.head_dim % 4:
             raise ValueError(f"{where}: heads must group evenly and head_dim must be a multiple of 4")

@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..editing import InfillPlan, choose_middle, max_middle_length, plan_infill
+from ..editing import InfillPlan, choose_middle, plan_infill
 from ..engine import Engine
 from ..images import DEFAULT_BUDGET, chat_prompt, open_image
 from ..model import DiffusionGemma
@@ -487,7 +487,7 @@ async def _infill_plan(served: _Served, body: CompletionRequest, prompt: list[in
     _check_chars(served, len(body.suffix), "suffix")
     suffix = await _tokenize(served, served.tokenizer.encode, body.suffix, param="suffix", add_special_tokens=False)
     canvas = served.canvas
-    longest = max(min(max_middle_length(served.model), canvas - min(len(suffix) + 1, canvas // 2)), 1)
+    longest = canvas - min(len(suffix) + 1, canvas // 2)  # >= 1, and below the canvas (max_middle_length)
     length = "auto" if body.max_tokens is None else min(body.max_tokens, longest)
     try:
         plan = plan_infill(served.model, prompt, suffix, length, longest=longest)

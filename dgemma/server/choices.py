@@ -131,12 +131,12 @@ def _on_tokens(choice: Choice, event, decode, final: bool) -> list[Piece]:
     """Text pieces from a choice's new final tokens; a stop string ends the choice here."""
     if isinstance(event, TokensEvent):
         choice.tokens.extend(event.tokens)
-    visible = choice.tokens
-    pieces = [Piece(choice.index, kind, piece) for kind, piece in choice.text.feed(decode(visible), final=final)]
+    text = decode(choice.tokens)
+    pieces = [Piece(choice.index, kind, piece) for kind, piece in choice.text.feed(text, final=final)]
     if choice.text.stopped:
-        choice.returned_tokens = _tokens_covering(visible, choice.text.cut, decode)
+        choice.returned_tokens = _tokens_covering(choice.tokens, choice.text.cut, decode)
     else:
-        choice.returned_tokens = len(visible)
+        choice.returned_tokens = len(choice.tokens)
     return pieces
 
 

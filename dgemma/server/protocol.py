@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..images import SOFT_TOKEN_BUDGETS
 from ..settings import SETTINGS, SamplingParams
 
 MAX_N = 8  # choices per request (each one is a row of the engine's batch)
@@ -25,7 +26,7 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
-IMAGE_BUDGETS = Literal[70, 140, 280, 560, 1120]  # dgemma.images.SOFT_TOKEN_BUDGETS
+IMAGE_BUDGETS = Literal[SOFT_TOKEN_BUDGETS]  # the five budgets, as a request field's type
 
 
 class ApiError(Exception):
