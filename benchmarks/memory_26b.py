@@ -49,7 +49,7 @@ import torch
 import dgemma
 from dgemma.config import FULL, DiffusionGemmaConfig
 from dgemma.model import DiffusionGemma
-from dgemma.quant import QuantExperts, QuantLinear, describe, swap_modules
+from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, describe, swap_modules, targets
 from dgemma.weights import atomic_save_tensors, atomic_write_bytes, hf_state_dict
 
 GIB = 2**30
@@ -179,7 +179,7 @@ def build_direct(config: DiffusionGemmaConfig, mode: str, group_size: int) -> tu
         with torch.device("meta"):
             model = DiffusionGemma(config)
             n_params = sum(t.numel() for t in model.parameters())
-            swap_modules(model, mode, group_size, empty=True)
+            swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of(mode, group_size)), empty=True)
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device="cpu")
@@ -438,7 +438,7 @@ def full_attention_extra() -> tuple[int, int]:
         model = DiffusionGemma(config_with_layers(None))
         kinds = model.text_config.layer_types
         bf16 = [2 * sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-        swap_modules(model, "int4", 64, empty=True)
+        swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of("int4", 64)), empty=True)
         int4 = [sum(t.nbytes for t in list(layer.parameters()) + list(layer.buffers())) for layer in model.layers]
     sliding, full = kinds.index("sliding_attention"), kinds.index(FULL)
     n_full = kinds.count(FULL) - 1

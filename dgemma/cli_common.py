@@ -89,12 +89,15 @@ def options_or_positionals(options: dict, positionals: list) -> list:
 
 def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     """--quant and --group-size."""
+    from .quant.formats import MODES
+
     p.add_argument(
         "--quant",
         default=None,
         required=required,
-        choices=["int8", "int4", "fp8"],
-        help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant)",
+        choices=list(MODES),
+        help="quantize the attention, MLP and expert weights as they load (weight-only; see dgemma.quant; "
+        "nvfp4: FP4 with an fp8 scale per 16 weights, the compressed-tensors NVFP4 format)",
     )
     p.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
 

@@ -45,7 +45,7 @@ def register(sub) -> None:
 
     s = sub.add_parser(
         "quantize",
-        help="write a quantized copy of a checkpoint (int8, int4, fp8)",
+        help="write a quantized copy of a checkpoint (int8, int4, fp8, nvfp4)",
         description="Quantize a checkpoint's attention, MLP and expert weights (weight-only; the router, "
         "norms, embeddings and self-conditioning stay in their dtype: see dgemma/quant/__init__.py) and "
         "write it as a checkpoint directory that every command loads directly. The source is read tensor "

@@ -29,11 +29,24 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
+from .compressed_tensors import CompressedSource, is_compressed_tensors
 from .config import DiffusionGemmaConfig, GenerationConfig
-from .model import DiffusionGemma
-from .quant import check_mode, describe, quantized_weight_names, swap_modules
-from .quant.formats import quantize_matrices
+from .model import DiffusionGemma, Experts
+from .quant import (
+    QuantSpec,
+    Spec,
+    check_mode,
+    describe,
+    describe_specs,
+    quantized_buffer_names,
+    quantized_weight_names,
+    specs_of,
+    swap_modules,
+    targets,
+)
+from .quant.formats import quantized_buffers
 
 DEC = "model.decoder."
 ENC = "model.encoder.language_model."
@@ -126,6 +139,10 @@ class _TensorSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name ("BF16", "F8_E4M3", ...), read from the header."""
+        return self._handles[self.where[name]].get_slice(name).get_dtype()
+
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.where[name]].get_tensor(name)
 
@@ -177,10 +194,11 @@ def load(
 ) -> DiffusionGemma:
     """Load a Hugging Face-format DiffusionGemma checkpoint directory into a dgemma model.
 
-    With `quant` ('int8', 'int4' or 'fp8'; `group_size` for int4) the policy's layers (dgemma.quant) are
-    quantized as they are read, tensor by tensor (the stacked experts expert by expert), so the full
-    precision model is never in memory. A checkpoint written from a quantized model (`config.json` has
-    a `quantization` block) loads quantized as stored.
+    With `quant` ('int8', 'int4', 'fp8' or 'nvfp4'; `group_size` for int4) the policy's layers
+    (dgemma.quant) are quantized as they are read, tensor by tensor (the stacked experts expert by
+    expert), so the full precision model is never in memory. A checkpoint that is already quantized
+    loads quantized as stored: one written by dgemma (`config.json` has a `quantization` block), or a
+    compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; dgemma/compressed_tensors.py).
 
     The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
     so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
@@ -191,7 +209,7 @@ def load(
     directory = Path(path)
     files = _weight_files(directory)
     config = DiffusionGemmaConfig.from_file(directory)
-    source = _TensorSource(files)
+    source, stored = _open(directory, files, config)
     primary, tied, vision, unknown = _map_names(source.names())
     if config.vision_config is not None and not vision:
         warnings.warn(
@@ -200,17 +218,87 @@ def load(
             stacklevel=2,
         )
         config.vision_config = None
-
-    stored = _stored_quantization(directory)
-    if stored and quant and quant != stored["mode"]:
-        raise ValueError(f"{directory} is already quantized as {stored['mode']}; it cannot load as {quant}")
-    mode, group_size = (stored["mode"], stored.get("group_size") or 64) if stored else (quant, group_size)
     with torch.device("meta"):
         model = DiffusionGemma(config)
-        if stored:  # the checkpoint holds codes and scales: validate against the quantized layout
-            swap_modules(model, mode, group_size, empty=True)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    specs = _stored_specs(model, stored, source)
+    if specs and quant:
+        as_stored = stored["mode"] if stored else "compressed-tensors"
+        if quant != as_stored:
+            raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {quant}")
+        quant = None
+    if specs:  # the checkpoint holds codes and scales: validate against the quantized layout
+        with torch.device("meta"):
+            swap_modules(model, specs, empty=True)
+    _check_names(directory, model, source, primary, tied, unknown)
+    target = resolve_dtype(dtype)
+    if target is None:
+        target = source.get(primary["embed_tokens.weight"]).dtype
+        if target not in _DTYPE_NAMES:
+            target = torch.float32
+    if quant:  # quantize on load: the full-precision layout was validated above
+        check_mode(quant)
+        with torch.device("meta"):
+            swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of(quant, group_size)), empty=True)
+    report = _Progress(len(primary), f"loading {directory.name}") if progress else None
+    state = _read_state(model, source, primary, device, target, (quant, group_size) if quant else None, report)
+    if verify_tied:
+        for hf, ours in tied.items():
+            if not torch.equal(source.get(hf).to(device=device, dtype=state[ours].dtype), state[ours]):
+                raise ValueError(
+                    f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
+                    "DiffusionGemma shares these weights between encoder and decoder"
+                )
+    model.load_state_dict(state, strict=True, assign=True)
+    if quant:
+        model.quantization = describe(quant, group_size)
+    elif specs:
+        model.quantization = stored if stored else describe_specs(specs)
+    model.generation_config = GenerationConfig.from_file(directory)
+    model.eval()
+    return model
 
+
+def _open(directory: Path, files: list[Path], config: DiffusionGemmaConfig):
+    """The checkpoint's tensor source (compressed-tensors files seen through CompressedSource) and its
+    dgemma `quantization` block, if any."""
+    source = _TensorSource(files)
+    raw = json.loads((directory / "config.json").read_text())
+    if is_compressed_tensors(raw):
+        return CompressedSource(source, raw["quantization_config"], config.text_config.num_experts or 0), None
+    return source, _stored_quantization(directory)
+
+
+def _stored_specs(model: DiffusionGemma, stored: dict | None, source) -> dict[str, Spec]:
+    """The specs of the modules a checkpoint stores quantized, by our module names."""
+    if stored:
+        return specs_of(stored, model)
+    if not isinstance(source, CompressedSource):
+        return {}
+    specs: dict[str, Spec] = {}
+    for hf, spec in source.specs.items():
+        ours = _module_of(hf)
+        if ours is None:
+            raise ValueError(f"{hf}: a quantized module dgemma does not know")
+        if specs.get(ours, spec) != spec:
+            raise ValueError(f"{hf} is quantized differently from its tied copy")
+        module = model.get_submodule(ours)
+        if not (type(module) is nn.Linear or isinstance(module, Experts)):
+            raise ValueError(f"{hf}: dgemma keeps linear layers and experts quantized, not a {type(module).__name__}")
+        specs[ours] = spec
+    return specs
+
+
+def _module_of(hf_module: str) -> str | None:
+    """Our name of a checkpoint module (either side of the tied encoder/decoder)."""
+    for prefix in (DEC, ENC):
+        if hf_module.startswith(prefix):
+            return hf_module[len(prefix) :]
+    return None
+
+
+def _check_names(directory: Path, model: DiffusionGemma, source, primary: dict, tied: dict, unknown: list) -> None:
+    """One ValueError naming every missing, unexpected and wrongly shaped tensor of a checkpoint."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing = sorted(set(expected) - set(primary))
     unexpected = sorted(unknown + [primary[n] for n in set(primary) - set(expected)])
     unexpected += sorted(hf for hf, ours in tied.items() if ours not in expected)
@@ -233,26 +321,23 @@ def load(
         if wrong_shape:
             parts.append(f"wrong shapes ({len(wrong_shape)}): " + _listing(wrong_shape, "; "))
         raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
-    target = resolve_dtype(dtype)
-    if target is None:
-        target = source.get(primary["embed_tokens.weight"]).dtype
-        if target not in _DTYPE_NAMES:
-            target = torch.float32
-    if mode and not stored:  # quantize on load: the full-precision layout was validated above
-        with torch.device("meta"):
-            swap_modules(model, mode, group_size, empty=True)
-    held = quantized_weight_names(model)
+
+
+def _read_state(model, source, primary: dict, device, target, quantize: tuple | None, report) -> dict:
+    """Every tensor of the model, read (and, with `quantize` = (mode, group size), quantized) one by one."""
+    to_quantize = quantized_weight_names(model) if quantize else set()
+    stored = set() if quantize else quantized_buffer_names(model)
     state = {}
-    report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     for ours, hf in primary.items():
-        if ours in held and not stored:  # quantize on load
+        if ours in to_quantize:
             # through a mapping of its own: the bf16 pages read are released with the tensor, instead of
             # staying resident until every view of the checkpoint's mapping (the model's norms) is gone
             tensor = source.take(hf)
-            state[ours], state[ours + "_scale"] = (t.to(device) for t in quantize_matrices(tensor, mode, group_size))
+            for suffix, t in quantized_buffers(tensor, *quantize).items():
+                state[ours + suffix] = t.to(device)
             nbytes = tensor.nbytes
             del tensor
-        elif ours in held or ours.removesuffix("_scale") in held:  # stored codes and scales: as they are
+        elif ours in stored:  # stored codes and scales: as they are
             state[ours] = source.get(hf).to(device=device)
             nbytes = state[ours].nbytes
         else:
@@ -262,19 +347,7 @@ def load(
             report.step(nbytes)
     if report:
         report.done()
-    if verify_tied:
-        for hf, ours in tied.items():
-            if not torch.equal(source.get(hf).to(device=device, dtype=target), state[ours]):
-                raise ValueError(
-                    f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
-                    "DiffusionGemma shares these weights between encoder and decoder"
-                )
-    model.load_state_dict(state, strict=True, assign=True)
-    if mode:
-        model.quantization = describe(mode, group_size)
-    model.generation_config = GenerationConfig.from_file(directory)
-    model.eval()
-    return model
+    return state
 
 
 def _stored_quantization(directory: Path) -> dict | None:
@@ -285,7 +358,8 @@ def _stored_quantization(directory: Path) -> dict | None:
         return None
     if not isinstance(block, dict) or block.get("quant_method") != "dgemma" or "mode" not in block:
         raise ValueError(f"{path}: a 'quantization' block must be one written by dgemma (got {block!r})")
-    check_mode(block["mode"])
+    if block["mode"] != "per-module":
+        check_mode(block["mode"])
     return block
 
 

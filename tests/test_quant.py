@@ -19,7 +19,9 @@ def test_int4_packing_round_trip():
     assert torch.equal(unpack_int4(packed), codes.to(torch.int8))
 
 
-@pytest.mark.parametrize(("mode", "bound"), [("int8", 0.5 / 127), ("int4", 0.5 / 7.5), ("fp8", 1 / 16)])
+@pytest.mark.parametrize(
+    ("mode", "bound"), [("int8", 0.5 / 127), ("int4", 0.5 / 7.5), ("fp8", 1 / 16), ("nvfp4", 1 / 6 * 1.07)]
+)
 def test_round_trip_error_is_bounded(mode, bound):
     torch.manual_seed(0)
     w = torch.randn(2, 48, 128)  # a stack, as the experts are
@@ -28,6 +30,8 @@ def test_round_trip_error_is_bounded(mode, bound):
     assert back.shape == w.shape
     if mode == "int4":  # half a step of each group's scale
         ref = w.reshape(2, 48, 4, 32).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 32).reshape(w.shape)
+    elif mode == "nvfp4":  # half the widest e2m1 step (4 -> 6) of each 16-block's max, its e4m3 scale 3 bits
+        ref = w.reshape(2, 48, 8, 16).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 16).reshape(w.shape)
     else:  # int8: half a step of the row's scale; fp8: 3 mantissa bits, relative to the row's max
         ref = w.abs().amax(-1, keepdim=True)
     err = (back - w).abs() / ref
@@ -48,7 +52,7 @@ def test_bad_input_is_rejected():
         quantize(torch.randn(8), "int8")
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8", "nvfp4"])
 def test_quant_linear_equals_the_dequantized_reference(mode, monkeypatch):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=False)
@@ -60,7 +64,7 @@ def test_quant_linear_equals_the_dequantized_reference(mode, monkeypatch):
     torch.testing.assert_close(q(x), reference, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "nvfp4"])
 def test_quant_experts_equal_the_reference_on_dequantized_weights(mode):
     config = dgemma.preset("tiny")
     model = dgemma.build(config, seed=0)
@@ -81,7 +85,7 @@ def test_policy_keeps_router_norms_embeddings_and_self_conditioning():
     assert not any("router" in n or "embed" in n or n.startswith("self_conditioning") for n in names)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8", "nvfp4"])
 def test_quantized_model_equals_the_model_with_dequantized_weights(mode):
     """The swap is exact: a quantized model computes what the full model computes with the rounded weights.
     (How far rounding moves a *trained* model's outputs is measured by benchmarks, not here: random tiny
@@ -121,7 +125,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8", "nvfp4"])
 def test_quantize_on_load_equals_quantize_after_load(checkpoint, mode):
     on_load = dgemma.load(checkpoint, quant=mode, group_size=16)
     after = quantize_model(dgemma.load(checkpoint), mode, group_size=16)
@@ -134,7 +138,7 @@ def test_quantize_on_load_equals_quantize_after_load(checkpoint, mode):
     assert isinstance(on_load.layers[1].experts, QuantExperts)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8", "nvfp4"])
 def test_saved_quantized_checkpoints_reload_identically(checkpoint, tmp_path, mode):
     model = dgemma.load(checkpoint, quant=mode, group_size=16)
     dgemma.save(model, tmp_path / "q")

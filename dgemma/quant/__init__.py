@@ -1,4 +1,4 @@
-"""Weight-only quantization (int8, int4, fp8) applied to a model from outside, as module swaps.
+"""Weight-only quantization (int8, int4, fp8, nvfp4) applied to a model from outside, as module swaps.
 
     dgemma.quant.quantize_model(model, "int4", group_size=64)
 
@@ -19,23 +19,27 @@ from __future__ import annotations
 from torch import nn
 
 from ..model import DiffusionGemma, Experts
-from .formats import MODES, Quantized, check_mode, dequantize, quantize
+from .formats import MODES, Quantized, QuantSpec, check_mode, dequantize, quantize
 from .kernels import use_kernels
 from .modules import QuantExperts, QuantLinear
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Spec = QuantSpec | tuple[QuantSpec, QuantSpec]  # one module's; the experts' may be (gate_up_proj, down_proj)
 
 __all__ = [
     "MODES",
     "QuantExperts",
     "QuantLinear",
+    "QuantSpec",
     "Quantized",
     "check_mode",
     "dequantize",
     "describe",
     "quantize",
     "quantize_model",
+    "quantized_buffer_names",
     "quantized_weight_names",
+    "specs_of",
     "swap_modules",
     "targets",
     "use_kernels",
@@ -55,7 +59,7 @@ def targets(model: DiffusionGemma) -> list[str]:
 
 
 def describe(mode: str, group_size: int | None) -> dict:
-    """The `quantization` block of config.json (and `model.quantization`)."""
+    """The `quantization` block of config.json (and `model.quantization`) for dgemma's policy in one mode."""
     return {
         "quant_method": "dgemma",
         "mode": mode,
@@ -64,24 +68,53 @@ def describe(mode: str, group_size: int | None) -> dict:
     }
 
 
-def swap_modules(model: DiffusionGemma, mode: str, group_size: int = 64, *, empty: bool = False) -> None:
-    """Replace the policy's modules by quantized ones: quantizing their weights, or (`empty`) with
-    zero-filled codes of the right shapes, to be filled from a checkpoint."""
-    check_mode(mode)
-    for name in targets(model):
+def describe_specs(specs: dict[str, Spec]) -> dict:
+    """The `quantization` block of a model whose modules are stored in several ways (one read from a
+    compressed-tensors checkpoint): every quantized module's spec by name."""
+
+    def one(spec: Spec) -> dict:
+        if isinstance(spec, QuantSpec):
+            return spec.to_dict()
+        return {"gate_up_proj": spec[0].to_dict(), "down_proj": spec[1].to_dict()}
+
+    return {"quant_method": "dgemma", "mode": "per-module", "modules": {n: one(s) for n, s in specs.items()}}
+
+
+def specs_of(block: dict, model: DiffusionGemma) -> dict[str, Spec]:
+    """The module specs a `quantization` block (describe or describe_specs) stands for."""
+    if block.get("mode") != "per-module":
+        return dict.fromkeys(targets(model), QuantSpec.of(block["mode"], block.get("group_size") or 64))
+    out: dict[str, Spec] = {}
+    for name, spec in block["modules"].items():
+        if "gate_up_proj" in spec:
+            out[name] = (QuantSpec(**spec["gate_up_proj"]), QuantSpec(**spec["down_proj"]))
+        else:
+            out[name] = QuantSpec(**spec)
+    return out
+
+
+def swap_modules(model: DiffusionGemma, specs: dict[str, Spec], *, empty: bool = False) -> None:
+    """Replace the named modules by quantized ones stored as their spec: quantizing their weights
+    (dgemma's own formats), or (`empty`) with zero-filled buffers of the right shapes, to be filled from a
+    checkpoint."""
+    for name, spec in specs.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, child)
         if isinstance(module, Experts):
             e, two_i, m = module.gate_up_proj.shape
             if empty:
-                swapped = QuantExperts(e, m, two_i // 2, mode, group_size)
+                swapped = QuantExperts(e, m, two_i // 2, *(spec if isinstance(spec, tuple) else (spec,)))
             else:
-                swapped = QuantExperts.from_experts(module, mode, group_size).to(module.gate_up_proj.device)
-        elif empty:
-            swapped = QuantLinear(module.in_features, module.out_features, mode, group_size)
+                swapped = QuantExperts.from_experts(module, spec.mode, spec.group_size or 64)
+                swapped = swapped.to(module.gate_up_proj.device)
+        elif isinstance(module, nn.Linear) and isinstance(spec, QuantSpec):
+            if empty:
+                swapped = QuantLinear(module.in_features, module.out_features, spec)
+            else:
+                swapped = QuantLinear.from_linear(module, spec.mode, spec.group_size or 64).to(module.weight.device)
         else:
-            swapped = QuantLinear.from_linear(module, mode, group_size).to(module.weight.device)
+            raise ValueError(f"{name} is a {type(module).__name__}; {spec} is for linear layers or experts")
         setattr(parent, child, swapped)
 
 
@@ -96,8 +129,18 @@ def quantized_weight_names(model: DiffusionGemma) -> set[str]:
     return names
 
 
+def quantized_buffer_names(model: DiffusionGemma) -> set[str]:
+    """State-dict names of everything the quantized modules store (codes, scales, zero points, ...)."""
+    return {
+        f"{name}.{buffer}"
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear | QuantExperts)
+        for buffer, _ in module.named_buffers(recurse=False)
+    }
+
+
 def quantize_model(model: DiffusionGemma, mode: str, group_size: int = 64) -> DiffusionGemma:
     """Quantize a loaded model in place (the policy's modules swapped; returns the model)."""
-    swap_modules(model, mode, group_size)
+    swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of(mode, group_size)))
     model.quantization = describe(mode, group_size)
     return model

@@ -1,14 +1,23 @@
 """Weight-only quantization formats: tensors in, (codes, scales) out, and back.
 
-All formats are symmetric (no zero point) and quantize along the *input* dimension of a weight laid out
-as `[..., out, in]` (nn.Linear and the stacked experts alike), so a scale multiplies one output row (or
-one group of one row) and dequantization is a broadcast multiply.
+Every format quantizes along the *input* dimension of a weight laid out as `[..., out, in]` (nn.Linear
+and the stacked experts alike), so a scale multiplies one output row (or one group of one row) and
+dequantization is a broadcast multiply. What dgemma writes:
 
 - `int8`: one fp32 scale per output row; codes in [-127, 127] (int8).
 - `int4`: one bf16 scale per group of `group_size` inputs of a row; codes in [-8, 7] stored two per byte
-  (uint8, low nibble first) and read as the midpoints (q + 0.5) * scale, 16 levels symmetric about 0; a
-  `[out, in]` weight takes `out * in / 2` bytes plus the scales.
+  (uint8, low nibble first, offset by 8) and read as the midpoints (q + 0.5) * scale, 16 levels symmetric
+  about 0; a `[out, in]` weight takes `out * in / 2` bytes plus the scales.
 - `fp8`: float8_e4m3fn codes with one fp32 scale per output row (max |w| maps to 448).
+- `nvfp4`: FP4 (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) codes two per byte (low nibble
+  first, sign in bit 3), one float8_e4m3fn scale per 16 inputs and one fp32 global scale per matrix
+  (kept per output row, so gate and up rows fused from two matrices keep their own):
+  w = e2m1 * (scale / global_scale). The compressed-tensors `nvfp4-pack-quantized` format, quantized as
+  that library does (tests/test_compressed_tensors.py checks the bytes).
+
+What dgemma also reads (compressed-tensors checkpoints, dgemma/compressed_tensors.py) and keeps as is:
+int4 read as q * scale ("symmetric", q in [-8, 7]) or (q - zero_point) * scale ("asymmetric", one zero
+point per group), scales of any float dtype, and int8 codes down to -128.
 """
 
 from __future__ import annotations
@@ -18,8 +27,43 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MODES = ("int8", "int4", "fp8")
+MODES = ("int8", "int4", "fp8", "nvfp4")
+ZEROS = ("mid", "symmetric", "asymmetric")  # how int4 codes are read: q + 0.5, q, q - zero_point
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest e2m1
+NVFP4_GROUP = 16
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 8 codes (bit 3 is the sign)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one module's weights are stored: the mode, the inputs per scale (None: one scale per row;
+    nvfp4 is always 16), and for int4 how codes are read (`ZEROS`)."""
+
+    mode: str
+    group_size: int | None = None
+    zero: str = "mid"
+
+    def __post_init__(self):
+        check_mode(self.mode)
+        if self.zero not in ZEROS or (self.mode != "int4" and self.zero != "mid"):
+            raise ValueError(f"zero={self.zero!r} is for int4 only, one of {ZEROS}")
+        if self.mode == "nvfp4" and self.group_size != NVFP4_GROUP:
+            raise ValueError(f"nvfp4 has one scale per {NVFP4_GROUP} inputs (got group_size={self.group_size})")
+        if self.mode in ("int8", "fp8") and self.group_size is not None:
+            raise ValueError(f"{self.mode} has one scale per output row (got group_size={self.group_size})")
+
+    @classmethod
+    def of(cls, mode: str, group_size: int = 64) -> QuantSpec:
+        """dgemma's own format for `mode` (`group_size` is used by int4 only)."""
+        return cls(mode, group_size if mode == "int4" else NVFP4_GROUP if mode == "nvfp4" else None)
+
+    def groups(self, n_in: int) -> int:
+        """Scales per output row for a weight of `n_in` inputs."""
+        return n_in // (self.group_size or n_in)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "group_size": self.group_size, "zero": self.zero}
 
 
 @dataclass
@@ -27,21 +71,25 @@ class Quantized:
     """A quantized weight: `codes` and `scales` as stored, plus what is needed to read them back."""
 
     mode: str
-    codes: torch.Tensor  # int8 [.., out, in] | uint8 [.., out, in/2] (int4) | float8_e4m3fn [.., out, in]
-    scales: torch.Tensor  # fp32 [.., out, 1] (int8, fp8) | bf16 [.., out, in/group_size] (int4)
+    codes: torch.Tensor  # int8 [.., out, in] | uint8 [.., out, in/2] (int4, nvfp4) | float8_e4m3fn [.., out, in]
+    scales: torch.Tensor  # fp32 [.., out, 1] (int8, fp8) | [.., out, in/group_size] (int4 bf16, nvfp4 e4m3)
     shape: tuple[int, ...]  # the original weight's shape
     group_size: int | None = None
+    zero: str = "mid"  # int4: how codes are read (ZEROS)
+    zero_point: torch.Tensor | None = None  # int4 "asymmetric": uint8 [.., out, groups], offset by 8 like the codes
+    global_scale: torch.Tensor | None = None  # nvfp4: fp32 [.., out, 1]
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        extra = [t.nbytes for t in (self.zero_point, self.global_scale) if t is not None]
+        return self.codes.nbytes + self.scales.nbytes + sum(extra)
 
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(MODES)}")
-    if mode == "fp8" and not hasattr(torch, "float8_e4m3fn"):
-        raise ValueError("fp8 needs a PyTorch with torch.float8_e4m3fn (2.1 or newer)")
+    if mode in ("fp8", "nvfp4") and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"{mode} needs a PyTorch with torch.float8_e4m3fn (2.1 or newer)")
     return mode
 
 
@@ -64,6 +112,8 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
         scales = _row_absmax(w) / FP8_MAX
         codes = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Quantized(mode, codes, scales, shape)
+    if mode == "nvfp4":
+        return quantize_nvfp4(w)
     n_in = shape[-1]
     if group_size <= 0 or n_in % group_size or group_size % 2:
         raise ValueError(f"int4 group_size must be even and divide the input size {n_in} (got {group_size})")
@@ -74,14 +124,41 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
     return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size)
 
 
-def quantize_matrices(w: torch.Tensor, mode: str, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales of a weight or a stack of them (`[E, out, in]`: one matrix at a time, so only
-    one is ever in fp32)."""
-    if w.dim() == 2:
-        q = quantize(w, mode, group_size)
-        return q.codes, q.scales
-    parts = [quantize(m, mode, group_size) for m in w]
-    return torch.stack([q.codes for q in parts]), torch.stack([q.scales for q in parts])
+def quantize_nvfp4(w: torch.Tensor) -> Quantized:
+    """NVFP4 as compressed-tensors quantizes it (fp32 arithmetic in the same order, so the same bytes):
+    global scale g = 448 * 6 / max|w| over the matrix, each 16-block's scale max|block| / 6 * g rounded
+    to e4m3 (0 -> 0.125), codes the e2m1 values nearest w / (scale / g) with that library's ties."""
+    shape, n_in = tuple(w.shape), w.shape[-1]
+    if n_in % NVFP4_GROUP:
+        raise ValueError(f"nvfp4 needs the input size to be a multiple of {NVFP4_GROUP} (got {n_in})")
+    w = w.float()
+    lead = w.dim() - 2  # one global scale per matrix of a stack
+    amax = w.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    g = torch.nan_to_num(FP8_MAX * FP4_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
+    blocks = w.reshape(*shape[:-1], n_in // NVFP4_GROUP, NVFP4_GROUP)
+    scales = g.unsqueeze(-1) * (blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX)
+    scales = scales.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    scales = torch.where(scales == 0, torch.full_like(scales, 0.125), scales)
+    x = (blocks / (scales / g.unsqueeze(-1))).clamp(-FP4_MAX, FP4_MAX)
+    a = x.abs()
+    index = (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    codes = (index | (torch.signbit(x).to(torch.uint8) << 3)).reshape(shape)
+    global_scale = g.expand(*shape[:lead], shape[-2], 1).contiguous()
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    q = Quantized("nvfp4", packed, scales.squeeze(-1).to(torch.float8_e4m3fn), shape, NVFP4_GROUP)
+    q.global_scale = global_scale
+    return q
+
+
+def quantized_buffers(w: torch.Tensor, mode: str, group_size: int = 64) -> dict[str, torch.Tensor]:
+    """A weight or a stack of them (`[E, out, in]`, quantized one matrix at a time so only one is ever
+    in fp32) as the buffers a quantized module stores, by suffix: "" (codes), "_scale", and for nvfp4
+    "_global_scale"."""
+    parts = [quantize(w, mode, group_size)] if w.dim() == 2 else [quantize(m, mode, group_size) for m in w]
+    out = {"": [q.codes for q in parts], "_scale": [q.scales for q in parts]}
+    if mode == "nvfp4":
+        out["_global_scale"] = [q.global_scale for q in parts]
+    return {k: v[0] if w.dim() == 2 else torch.stack(v) for k, v in out.items()}
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -97,26 +174,39 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return both.to(torch.int8) - 8
 
 
-_TABLES: dict[torch.device, torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+_NIBBLE_VALUES = {"mid": lambda n: n - 7.5, "symmetric": lambda n: n - 8.0, "asymmetric": lambda n: n}
 
 
-def _int4_table(device: torch.device) -> torch.Tensor:
-    """byte -> (low nibble - 7.5, high nibble - 7.5), fp32 [256, 2]."""
-    if device not in _TABLES:
-        b = torch.arange(256, device=device)
-        _TABLES[device] = torch.stack(((b & 0xF) - 7.5, (b >> 4) - 7.5), dim=-1).float()
-    return _TABLES[device]
+def _byte_table(kind: str, device: torch.device) -> torch.Tensor:
+    """byte -> the values of its (low, high) nibbles, fp32 [256, 2]: int4 codes read as `kind` (ZEROS;
+    "asymmetric" gives the bare nibble, the zero point is subtracted per group), or "e2m1"."""
+    if (kind, device) not in _TABLES:
+        n = torch.arange(256, device=device)
+        n = torch.stack((n & 0xF, n >> 4), dim=-1)
+        if kind == "e2m1":
+            values = torch.tensor(E2M1, device=device)[n & 7] * torch.where(n >= 8, -1.0, 1.0)
+        else:
+            values = _NIBBLE_VALUES[kind](n.float())
+        _TABLES[kind, device] = values.float()
+    return _TABLES[kind, device]
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, rows: slice | None = None) -> torch.Tensor:
-    """The weight (or only output `rows` of it, on the last-but-one dimension) in `dtype`."""
-    codes, scales = q.codes, q.scales
-    if rows is not None:
-        codes, scales = codes[..., rows, :], scales[..., rows, :]
-    if q.mode == "int4":  # value = (q + 0.5) * scale = (nibble - 7.5) * scale
-        # one table lookup per byte gives both of its values (2x faster on CPU than shifting and masking)
-        c = F.embedding(codes.int(), _int4_table(codes.device))  # [..., n/2, 2]
-        g = q.group_size
-        c = c.view(*c.shape[:-2], c.shape[-2] // (g // 2), g)
-        return (c * scales.float().unsqueeze(-1)).view(*c.shape[:-2], -1).to(dtype)
-    return (codes.float() * scales).to(dtype)
+    """The weight (or only output `rows` of it, on the last-but-one dimension) in `dtype`: computed in
+    fp32 and rounded once, so a 16-bit result equals compressed-tensors' decompression bit for bit."""
+    pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[..., rows, :])
+    codes, scales = pick(q.codes), pick(q.scales)
+    if q.mode not in ("int4", "nvfp4"):
+        return (codes.float() * scales.float()).to(dtype)
+    # one table lookup per byte gives both of its values (2x faster on CPU than shifting and masking)
+    c = F.embedding(codes.int(), _byte_table("e2m1" if q.mode == "nvfp4" else q.zero, codes.device))
+    g = q.group_size or q.shape[-1]
+    c = c.view(*c.shape[:-2], c.shape[-2] // (g // 2), g)  # [..., out, groups, g]
+    if q.mode == "nvfp4":  # e2m1 * (scale / global), as compressed-tensors orders it
+        step = scales.float() / pick(q.global_scale)
+    else:
+        step = scales.float()
+        if q.zero == "asymmetric":
+            c = c - pick(q.zero_point).float().unsqueeze(-1)
+    return (c * step.unsqueeze(-1)).view(*c.shape[:-2], -1).to(dtype)

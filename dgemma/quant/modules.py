@@ -1,9 +1,10 @@
 """Quantized stand-ins for nn.Linear and the stacked experts, swapped in from outside the model.
 
 Both keep the codes under the weight's own name (`weight`, `gate_up_proj`, `down_proj`) and the scales
-beside it (`weight_scale`, ...), so a quantized model's state dict has the checkpoint's names plus
-`*_scale` entries. The forward passes dequantize one tile of output rows (or one expert) at a time into
-the activation dtype and multiply: no dequantized copy of a whole layer outlives the call.
+beside it (`weight_scale`, ...; `*_zero_point` for asymmetric int4, `*_global_scale` for nvfp4), so a
+quantized model's state dict has the checkpoint's names plus those entries. The forward passes
+dequantize one tile of output rows (or one expert) at a time into the activation dtype and multiply: no
+dequantized copy of a whole layer outlives the call.
 """
 
 from __future__ import annotations
@@ -14,54 +15,107 @@ from torch import nn
 
 from ..model import Experts, gelu_tanh
 from ..moe import experts_by_expert
-from .formats import Quantized, check_mode, dequantize, quantize, quantize_matrices
+from .formats import Quantized, QuantSpec, dequantize, quantized_buffers
 from .kernels import quantized_matmul
 
 TILE_ELEMENTS = 1 << 22  # dequantized elements per tile (16 MB in fp32)
 
 
-def _empty_codes(mode: str, shape: tuple[int, ...], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-filled codes and scales of the right dtypes and shapes for a weight of `shape`."""
+def empty_buffers(spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Zero-filled buffers of the right dtypes and shapes for a weight of `shape` stored as `spec`, by
+    suffix of the weight's name: "" (the codes), "_scale", "_zero_point", "_global_scale"."""
     *lead, n_out, n_in = shape
-    if mode == "int4":
-        return (
-            torch.zeros(*lead, n_out, n_in // 2, dtype=torch.uint8),
-            torch.zeros(*lead, n_out, n_in // group_size, dtype=torch.bfloat16),
+    groups = spec.groups(n_in)
+    if spec.mode in ("int8", "fp8"):
+        dtype = torch.int8 if spec.mode == "int8" else torch.float8_e4m3fn
+        return {"": torch.zeros(*shape, dtype=dtype), "_scale": torch.zeros(*lead, n_out, 1)}
+    scale_dtype = torch.bfloat16 if spec.mode == "int4" else torch.float8_e4m3fn
+    out = {
+        "": torch.zeros(*lead, n_out, n_in // 2, dtype=torch.uint8),
+        "_scale": torch.zeros(*lead, n_out, groups, dtype=scale_dtype),
+    }
+    if spec.zero == "asymmetric":
+        out["_zero_point"] = torch.zeros(*lead, n_out, groups, dtype=torch.uint8)
+    if spec.mode == "nvfp4":
+        out["_global_scale"] = torch.ones(*lead, n_out, 1)
+    return out
+
+
+def check_shape(spec: QuantSpec, shape: tuple[int, ...]) -> None:
+    """Refuse a weight `spec` cannot store (groups that do not divide its rows, odd widths)."""
+    n_in = shape[-1]
+    g = spec.group_size or n_in
+    if n_in % g or (spec.mode in ("int4", "nvfp4") and g % 2):
+        raise ValueError(
+            f"{spec.mode} group_size {g} must be even and divide the input size {n_in} (a weight of shape "
+            f"{tuple(shape)})"
         )
-    dtype = torch.int8 if mode == "int8" else torch.float8_e4m3fn
-    return torch.zeros(*shape, dtype=dtype), torch.zeros(*lead, n_out, 1, dtype=torch.float32)
+
+
+def _check_own(spec: QuantSpec) -> None:
+    if spec.zero != "mid":
+        raise ValueError(f"dgemma quantizes int4 with midpoint codes; this module stores {spec.zero} ones (read only)")
+
+
+def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], index: int | None = None) -> Quantized:
+    """The weight `name` of a quantized module (or matrix `index` of a stack) as a Quantized view."""
+    spec = module.specs[name]
+
+    def part(suffix: str) -> torch.Tensor | None:
+        t = getattr(module, name + suffix, None)
+        return t if t is None or index is None else t[index]
+
+    return Quantized(
+        spec.mode,
+        part(""),
+        part("_scale"),
+        shape,
+        spec.group_size or shape[-1],
+        spec.zero,
+        part("_zero_point"),
+        part("_global_scale"),
+    )
+
+
+def _describe(spec: QuantSpec, kernel: str | None) -> str:
+    group = f", group_size={spec.group_size}" if spec.mode == "int4" else ""
+    zero = f", zero={spec.zero}" if spec.zero != "mid" else ""
+    return f"mode={spec.mode}{group}{zero}" + (f", kernel={kernel}" if kernel else "")
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T with W stored quantized (`mode`: int8, int4 or fp8); no bias (DiffusionGemma has none)."""
+    """y = x W^T with W stored quantized as `spec` (int8, int4, fp8 or nvfp4); no bias (DiffusionGemma
+    has none)."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str, group_size: int = 64):
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.mode, self.group_size = check_mode(mode), group_size
+        check_shape(spec, (out_features, in_features))
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.specs = {"weight": spec}
         self.kernel: str | None = None  # set by dgemma.quant.use_kernels
-        codes, scales = _empty_codes(mode, (out_features, in_features), group_size)
-        self.register_buffer("weight", codes)
-        self.register_buffer("weight_scale", scales)
+        for suffix, t in empty_buffers(spec, (out_features, in_features)).items():
+            self.register_buffer("weight" + suffix, t)
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 64) -> QuantLinear:
         if linear.bias is not None:
             raise ValueError("QuantLinear has no bias; DiffusionGemma's linear layers have none")
-        module = cls(linear.in_features, linear.out_features, mode, group_size)
+        module = cls(linear.in_features, linear.out_features, QuantSpec.of(mode, group_size))
         module.set_weight(linear.weight.detach())
         return module
 
     def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize `w` [out, in] into this module's buffers."""
-        q = quantize(w, self.mode, self.group_size)
-        self.weight = q.codes.to(self.weight.device)
-        self.weight_scale = q.scales.to(self.weight.device)
+        """Quantize `w` [out, in] into this module's buffers (dgemma's own format for the mode)."""
+        _check_own(self.spec)
+        for suffix, t in quantized_buffers(w, self.spec.mode, self.spec.group_size or 64).items():
+            setattr(self, "weight" + suffix, t.to(self.weight.device))
 
     def quantized(self) -> Quantized:
-        return Quantized(
-            self.mode, self.weight, self.weight_scale, (self.out_features, self.in_features), self.group_size
-        )
+        return _quantized(self, "weight", (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized()
@@ -79,9 +133,7 @@ class QuantLinear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
-        kernel = f", kernel={self.kernel}" if self.kernel else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}{kernel}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, " + _describe(self.spec, self.kernel)
 
 
 class QuantExperts(nn.Module):
@@ -91,23 +143,36 @@ class QuantExperts(nn.Module):
     per call (one read of its codes), used for all its tokens, and dropped.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, mode: str, group_size: int = 64):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        spec: QuantSpec,
+        down_spec: QuantSpec | None = None,
+    ):
         super().__init__()
-        self.mode, self.group_size = check_mode(mode), group_size
+        self.specs = {"gate_up_proj": spec, "down_proj": down_spec or spec}  # files may store them differently
         self.kernel: str | None = None  # set by dgemma.quant.use_kernels
         self.shapes = {
             "gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
             "down_proj": (num_experts, hidden_size, intermediate_size),
         }
         for name, shape in self.shapes.items():
-            codes, scales = _empty_codes(mode, shape, group_size)
-            self.register_buffer(name, codes)
-            self.register_buffer(name + "_scale", scales)
+            check_shape(self.specs[name], shape)
+            for suffix, t in empty_buffers(self.specs[name], shape).items():
+                self.register_buffer(name + suffix, t)
+
+    @property
+    def mode(self) -> str:
+        """The mode of both weights, or "mixed"."""
+        modes = {s.mode for s in self.specs.values()}
+        return modes.pop() if len(modes) == 1 else "mixed"
 
     @classmethod
     def from_experts(cls, experts: Experts, mode: str, group_size: int = 64) -> QuantExperts:
         e, two_i, m = experts.gate_up_proj.shape
-        module = cls(e, m, two_i // 2, mode, group_size)
+        module = cls(e, m, two_i // 2, QuantSpec.of(mode, group_size))
         module.set_weight("gate_up_proj", experts.gate_up_proj.detach())
         module.set_weight("down_proj", experts.down_proj.detach())
         return module
@@ -116,13 +181,13 @@ class QuantExperts(nn.Module):
         """Quantize the stacked weight `name` (expert by expert, so only one is ever in fp32)."""
         if tuple(w.shape) != self.shapes[name]:
             raise ValueError(f"{name}: expected shape {self.shapes[name]}, got {tuple(w.shape)}")
-        codes, scales = quantize_matrices(w, self.mode, self.group_size)
-        getattr(self, name).copy_(codes)
-        getattr(self, name + "_scale").copy_(scales)
+        spec = self.specs[name]
+        _check_own(spec)
+        for suffix, t in quantized_buffers(w, spec.mode, spec.group_size or 64).items():
+            getattr(self, name + suffix).copy_(t)
 
     def quantized(self, name: str, e: int) -> Quantized:
-        shape = self.shapes[name][1:]
-        return Quantized(self.mode, getattr(self, name)[e], getattr(self, name + "_scale")[e], shape, self.group_size)
+        return _quantized(self, name, self.shapes[name][1:], e)
 
     def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `e`'s dequantized weight `name`."""
@@ -142,6 +207,8 @@ class QuantExperts(nn.Module):
 
     def extra_repr(self) -> str:
         e, two_i, m = self.shapes["gate_up_proj"]
-        group = f", group_size={self.group_size}" if self.mode == "int4" else ""
-        kernel = f", kernel={self.kernel}" if self.kernel else ""
-        return f"experts={e}, hidden={m}, intermediate={two_i // 2}, mode={self.mode}{group}{kernel}"
+        gate_up, down = self.specs.values()
+        if gate_up == down:
+            return f"experts={e}, hidden={m}, intermediate={two_i // 2}, " + _describe(gate_up, self.kernel)
+        both = f"gate_up: {_describe(gate_up, self.kernel)}; down: {_describe(down, self.kernel)}"
+        return f"experts={e}, hidden={m}, intermediate={two_i // 2}, {both}"

@@ -1,0 +1,402 @@
+"""compressed-tensors checkpoints read into dgemma's quantized modules, weights kept quantized.
+
+The checkpoints vLLM serves for DiffusionGemma (RedHatAI's FP8-dynamic and NVFP4, W4A16 int4) carry a
+`quantization_config` with `quant_method: "compressed-tensors"` in config.json and store each quantized
+Linear `<m>` as codes plus scales (`<m>.weight` / `<m>.weight_packed`, `<m>.weight_scale`, ...). The
+experts are stored one Linear per expert (`...experts.E.{gate,up,down}_proj`), which dgemma stacks into
+its fused experts, gate rows first.
+
+What is kept quantized, in which of dgemma's formats (dgemma/quant/formats.py):
+
+| compressed-tensors format | weights | dgemma |
+|---|---|---|
+| `float-quantized`, `naive-quantized` | FP8 e4m3, per channel or per tensor | `fp8` |
+| `int-quantized` | int8, per channel | `int8` |
+| `pack-quantized` | int4 in int32 words, per group or channel, either zero | `int4`, symmetric / asymmetric |
+| `pack-quantized` | int8 in int32 words, per channel | `int8` |
+| `nvfp4-pack-quantized` | FP4 e2m1, e4m3 scale per 16, fp32 global scale | `nvfp4` |
+
+Other layouts of those formats (FP8 or int8 per group or block, int8 per group) are dequantized on load,
+in fp32 and rounded once to the scale's dtype, as the library's own decompression computes them; so is
+an expert stack whose experts or halves are stored differently. Activations: dgemma runs these weights
+with unquantized activations (W8A16, W4A16); `--kernels fast` quantizes them per token for int8 / fp8,
+as the dynamic schemes say. Static activation scales (`input_scale`, `input_global_scale`) and a
+quantized KV cache are refused by name rather than silently dropped, except the NVFP4 W4A4 input scale,
+which is reported and unused (W4A16 from the same weights). The byte order of packed words is
+little-endian, as on every machine PyTorch runs on.
+
+Why not the library itself at run time: its decompression yields dense weights (the point is to keep
+them packed), and it pulls transformers and pydantic in. It is the oracle of the tests instead
+(tests/test_compressed_tensors.py): dgemma's dequantized weights equal its decompression bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .quant import QuantSpec, Spec
+from .quant.formats import NVFP4_GROUP, Quantized, dequantize
+from .quant.modules import empty_buffers
+
+QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape"}
+ACTIVATION_PARAMS = {"input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point"}
+KV_PARAMS = {"k_scale", "v_scale", "q_scale"}
+_EXPERT = re.compile(r"^(?P<root>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)$")
+_KEPT = {  # (format, type, bits, strategy) -> dgemma mode
+    ("float-quantized", "float", 8, "channel"): "fp8",
+    ("float-quantized", "float", 8, "tensor"): "fp8",
+    ("naive-quantized", "float", 8, "channel"): "fp8",
+    ("naive-quantized", "float", 8, "tensor"): "fp8",
+    ("int-quantized", "int", 8, "channel"): "int8",
+    ("pack-quantized", "int", 8, "channel"): "int8",
+    ("pack-quantized", "int", 4, "channel"): "int4",
+    ("pack-quantized", "int", 4, "group"): "int4",
+    ("nvfp4-pack-quantized", "float", 4, "tensor_group"): "nvfp4",
+    ("nvfp4-pack-quantized", "float", 4, "group"): "nvfp4",
+}
+_DEQUANTIZED = {"float-quantized", "naive-quantized", "int-quantized", "pack-quantized"}
+
+
+def is_compressed_tensors(config: dict) -> bool:
+    """Whether a config.json dict describes a compressed-tensors checkpoint."""
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+
+@dataclass
+class Scheme:
+    """One config group's weight arguments, and the format its tensors are stored in."""
+
+    format: str
+    type: str
+    num_bits: int
+    strategy: str
+    group_size: int | None
+    symmetric: bool
+    block: tuple[int, int] | None = None
+    static_inputs: bool = False
+
+    def mode(self) -> str | None:
+        """dgemma's mode that stores these weights as they are, or None (dequantized on load)."""
+        return _KEPT.get((self.format, self.type, self.num_bits, self.strategy))
+
+
+def _strategy(args: dict) -> str:
+    if args.get("strategy"):
+        return args["strategy"]
+    g = args.get("group_size")
+    return "tensor" if g is None else "channel" if g == -1 else "group"
+
+
+def _format_of(weights: dict, inputs: dict | None, declared: str | None) -> str:
+    """The storage format of a group: as declared, else what compressed-tensors infers for a Linear."""
+    if declared and declared != "mixed-precision":
+        return declared
+    if weights["type"] == "float" and weights["num_bits"] == 4:
+        return "nvfp4-pack-quantized" if weights.get("group_size") == NVFP4_GROUP else "mxfp4-pack-quantized"
+    if weights["type"] == "int":
+        return "int-quantized" if inputs else "pack-quantized"
+    return "float-quantized" if inputs and inputs.get("type") == "float" else "naive-quantized"
+
+
+@dataclass
+class Config:
+    """A compressed-tensors `quantization_config`: its groups in order, and what it ignores."""
+
+    groups: list[tuple[list[str], Scheme]]
+    ignore: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, qc: dict) -> Config:
+        if qc.get("kv_cache_scheme"):
+            raise ValueError("a quantized KV cache (kv_cache_scheme) is not supported by dgemma")
+        if qc.get("quantization_status", "compressed") != "compressed":
+            raise ValueError(f"quantization_status {qc.get('quantization_status')!r}: only compressed files load")
+        groups = []
+        for name, group in (qc.get("config_groups") or {}).items():
+            weights = group.get("weights")
+            if not isinstance(weights, dict) or not group.get("targets"):
+                raise ValueError(f"config group {name!r} has no weight quantization or no targets")
+            inputs = group.get("input_activations")
+            block = weights.get("block_structure")
+            scheme = Scheme(
+                format=_format_of(weights, inputs, group.get("format") or qc.get("format")),
+                type=weights["type"],
+                num_bits=int(weights["num_bits"]),
+                strategy=_strategy(weights),
+                group_size=weights.get("group_size"),
+                symmetric=bool(weights.get("symmetric", True)),
+                block=tuple(block) if block else None,
+                static_inputs=bool(inputs) and inputs.get("dynamic") is False,
+            )
+            groups.append((list(group["targets"]), scheme))
+        return cls(groups, list(qc.get("ignore") or []))
+
+    def scheme_for(self, module: str) -> Scheme | None:
+        """The scheme of a Linear module by its checkpoint name: exact names before regexes before the
+        class name "Linear" (compressed-tensors' order); None when ignored."""
+        if any(_matches(module, target) for target in self.ignore):
+            return None
+        for rank in range(3):
+            for targets, scheme in self.groups:
+                if any(_rank(t) == rank and _matches(module, t) for t in targets):
+                    return scheme
+        return None
+
+
+def _rank(target: str) -> int:
+    return 1 if target.startswith("re:") else 2 if target == "Linear" else 0
+
+
+def _matches(module: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target in (module, "Linear")
+
+
+def _unpack_bytes(words: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """int32 words packed with `bits`-bit elements along the last dimension -> uint8 [..., n * bits / 8]:
+    for 4 bits the two nibbles of each byte are elements 2k (low) and 2k+1, as dgemma packs int4."""
+    return words.contiguous().view(torch.uint8)[..., : n * bits // 8]
+
+
+class Module:
+    """One quantized Linear of the checkpoint: its tensors by local name, its scheme and dgemma spec."""
+
+    def __init__(self, name: str, tensors: dict[str, str], scheme: Scheme, source):
+        self.name, self.tensors, self.scheme, self.source = name, tensors, scheme, source
+        mode = scheme.mode()
+        if mode is None and scheme.format not in _DEQUANTIZED:
+            raise ValueError(f"{name}: compressed-tensors format {scheme.format!r} is not supported by dgemma")
+        if mode == "nvfp4" and scheme.group_size != NVFP4_GROUP:
+            raise ValueError(f"{name}: NVFP4 needs groups of {NVFP4_GROUP}, got {scheme.group_size}")
+        if scheme.format in ("pack-quantized",) and scheme.num_bits not in (4, 8):
+            raise ValueError(f"{name}: {scheme.num_bits}-bit pack-quantized weights are not supported")
+        static = sorted(set(tensors) & ACTIVATION_PARAMS)
+        if static and not (mode == "nvfp4" and static == ["input_global_scale"]):
+            raise ValueError(f"{name}: static activation quantization ({', '.join(static)}) is not supported")
+        self.shape = self._shape()
+        if mode == "int4":
+            group = scheme.group_size if scheme.strategy == "group" else None
+            self.spec: QuantSpec | None = QuantSpec("int4", group, "symmetric" if scheme.symmetric else "asymmetric")
+        elif mode == "nvfp4":
+            self.spec = QuantSpec("nvfp4", NVFP4_GROUP)
+        elif mode is not None and scheme.symmetric:
+            self.spec = QuantSpec(mode)
+        else:
+            self.spec = None  # dequantized on load
+
+    def _get(self, local: str) -> torch.Tensor:
+        return self.source.get(self.tensors[local])
+
+    def _shape(self) -> tuple[int, int]:
+        if "weight_shape" in self.tensors:
+            return tuple(int(v) for v in self._get("weight_shape").tolist())
+        if "weight_packed" in self.tensors:  # nvfp4: two codes a byte
+            rows, half = self.source.shape(self.tensors["weight_packed"])
+            return rows, 2 * half
+        return self.source.shape(self.tensors["weight"])
+
+    def quantized(self) -> Quantized:
+        """The weight in dgemma's layout for self.spec (codes, scales, zero points, global scale)."""
+        spec, (n_out, n_in) = self.spec, self.shape
+        scale = self._get("weight_scale")
+        if spec.mode in ("fp8", "int8"):
+            codes = self._get("weight_packed") if "weight_packed" in self.tensors else self._get("weight")
+            if codes.dtype == torch.int32:  # pack-quantized int8: bytes offset by 128
+                codes = (_unpack_bytes(codes, n_in, 8).to(torch.int16) - 128).to(torch.int8)
+            return Quantized(spec.mode, codes, scale.float().reshape(-1, 1).expand(n_out, 1).contiguous(), self.shape)
+        if spec.mode == "nvfp4":
+            g = self._get("weight_global_scale").float().reshape(1, 1).expand(n_out, 1).contiguous()
+            q = Quantized("nvfp4", self._get("weight_packed"), scale, self.shape, NVFP4_GROUP)
+            q.global_scale = g
+            return q
+        codes = _unpack_bytes(self._get("weight_packed"), n_in, 4)
+        q = Quantized("int4", codes, scale.reshape(n_out, -1), self.shape, spec.group_size or n_in, spec.zero)
+        if spec.zero == "asymmetric":  # packed along the output dimension
+            zp = self._get("weight_zero_point")
+            q.zero_point = _unpack_nibbles(zp.t(), n_out).t().contiguous()
+        return q
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """dgemma's buffers for this weight by suffix ("" codes, "_scale", ...), or {"": dense weight}."""
+        if self.spec is None:
+            return {"": self.dense()}
+        q = self.quantized()
+        out = {"": q.codes, "_scale": q.scales}
+        if q.zero_point is not None:
+            out["_zero_point"] = q.zero_point
+        if q.global_scale is not None:
+            out["_global_scale"] = q.global_scale
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The dequantized weight, in fp32 rounded once to the scale's dtype (the library's result)."""
+        if self.spec is not None:
+            q = self.quantized()
+            return dequantize(q, torch.bfloat16 if q.mode == "nvfp4" else self._get("weight_scale").dtype)
+        s, (n_out, n_in) = self.scheme, self.shape
+        scale = self._get("weight_scale")
+        if "weight_packed" in self.tensors:
+            words = self._get("weight_packed")
+            q = _unpack_bytes(words, n_in, 8).float() - 128 if s.num_bits == 8 else _unpack_nibbles(words, n_in) - 8.0
+        else:
+            q = self._get("weight").float()
+        if "weight_zero_point" in self.tensors:
+            zp = self._get("weight_zero_point")
+            zp = _unpack_nibbles(zp.t(), n_out).t() - 8.0 if zp.dtype == torch.int32 else zp.float()
+            q = q - _spread(zp, n_out, n_in, s)
+        return (q * _spread(scale.float(), n_out, n_in, s)).to(scale.dtype)
+
+
+def _unpack_nibbles(words: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 words of 4-bit elements along the last dimension -> their unsigned values (0..15) as fp32."""
+    b = _unpack_bytes(words, n, 4)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)[..., :n].float()
+
+
+def _spread(t: torch.Tensor, n_out: int, n_in: int, s: Scheme) -> torch.Tensor:
+    """A per-tensor / channel / group / block parameter repeated to the weight's shape [out, in]."""
+    if s.strategy == "block" and s.block:
+        return t.repeat_interleave(s.block[0], 0)[:n_out].repeat_interleave(s.block[1], 1)[:, :n_in]
+    t = t.reshape(n_out, -1) if t.numel() > 1 else t.reshape(1, 1)
+    return t.repeat_interleave(n_in // t.shape[1], 1) if t.shape[1] > 1 else t
+
+
+class CompressedSource:
+    """A checkpoint's tensors as dgemma's quantized layout presents them (the interface of weights'
+    tensor source: names, shape, get, take): a quantized Linear as codes + scales under its weight's
+    name, per-expert Linears stacked into fused experts (`experts.gate_up_proj`, `experts.down_proj`),
+    everything else as stored. `specs` gives each quantized module's spec by checkpoint module name."""
+
+    def __init__(self, source, quantization_config: dict, num_experts: int):
+        self.source, self.num_experts = source, num_experts
+        config = Config.parse(quantization_config)
+        grouped: dict[str, dict[str, str]] = {}
+        for name in source.names():
+            module, _, local = name.rpartition(".")
+            if local in KV_PARAMS:
+                raise ValueError(f"{name}: a quantized KV cache is not supported by dgemma")
+            if local in QPARAMS | ACTIVATION_PARAMS | {"weight"}:
+                grouped.setdefault(module, {})[local] = name
+        grouped = {m: t for m, t in grouped.items() if set(t) & QPARAMS or _EXPERT.match(m)}  # else: as stored
+        self.passthrough = [n for n in source.names() if n.rpartition(".")[0] not in grouped]
+        parts: dict[str, Module | str] = {}  # module -> Module, or the name of a plain expert weight
+        unused = 0
+        for module, tensors in grouped.items():
+            if not set(tensors) & QPARAMS:
+                parts[module] = tensors["weight"]
+                continue
+            scheme = config.scheme_for(module)
+            if scheme is None:
+                raise ValueError(f"{module} holds quantized tensors but no group of the quantization_config targets it")
+            parts[module] = Module(module, tensors, scheme, source)
+            unused += "input_global_scale" in tensors
+        if unused:
+            warnings.warn(
+                f"{unused} NVFP4 activation scales (W4A4) are unused: dgemma runs these weights with "
+                "unquantized activations (W4A16)",
+                stacklevel=3,
+            )
+        self.parts = parts
+        self.specs: dict[str, Spec] = {}
+        self.virtual: dict[str, tuple[tuple, str, tuple[int, ...]]] = {}  # name -> (what to build, suffix, shape)
+        self._plan(parts)
+        self._built: dict[tuple, dict[str, torch.Tensor]] = {}
+
+    def _plan(self, parts: dict[str, Module | str]) -> None:
+        experts: dict[str, dict[tuple[int, str], Module | str]] = {}
+        for module, part in parts.items():
+            if m := _EXPERT.match(module):
+                experts.setdefault(m["root"], {})[int(m["e"]), m["part"]] = part
+                continue
+            key = ("linear", module)
+            self._add(key, f"{module}.weight", part.spec, part.shape)
+            if part.spec is not None:
+                self.specs[module] = part.spec
+        for root, table in experts.items():
+            missing = [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+            missing = [k for k in missing if (int(k.split(".")[0]), k.split(".")[1]) not in table]
+            if missing or len(table) != 3 * self.num_experts:
+                raise ValueError(f"{root}: the checkpoint's per-expert weights do not cover {self.num_experts} experts")
+            gate_up = [table[e, p] for e in range(self.num_experts) for p in ("gate_proj", "up_proj")]
+            down = [table[e, "down_proj"] for e in range(self.num_experts)]
+            specs = (_common_spec(gate_up), _common_spec(down))
+            if None in specs:
+                specs = (None, None)  # the fused experts are quantized whole or not at all
+            else:
+                self.specs[root] = specs[0] if specs[0] == specs[1] else specs
+            for which, members, spec in (("gate_up_proj", gate_up, specs[0]), ("down_proj", down, specs[1])):
+                n_out, n_in = _shape_of(members[0], self.source)
+                rows = 2 * n_out if which == "gate_up_proj" else n_out
+                self._add(("stack", root, which), f"{root}.{which}", spec, (self.num_experts, rows, n_in))
+
+    def _add(self, key: tuple, weight: str, spec: QuantSpec | None, shape: tuple[int, ...]) -> None:
+        if spec is None:
+            self.virtual[weight] = (key, "", shape)
+            return
+        with torch.device("meta"):
+            for suffix, t in empty_buffers(spec, shape).items():
+                self.virtual[weight + suffix] = (key, suffix, tuple(t.shape))
+
+    def names(self) -> list[str]:
+        return self.passthrough + list(self.virtual)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.virtual[name][2] if name in self.virtual else self.source.shape(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.virtual:
+            return self.source.get(name)
+        key, suffix, _ = self.virtual[name]
+        if key not in self._built:
+            self._built[key] = self._build(key)
+        built = self._built[key]
+        tensor = built.pop(suffix)
+        if not built:
+            del self._built[key]
+        return tensor
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.get(name) if name in self.virtual else self.source.take(name)
+
+    def _build(self, key: tuple) -> dict[str, torch.Tensor]:
+        """All buffers of one module (a Linear, or one of the two stacks of a layer's experts)."""
+        if key[0] == "linear":
+            return self.parts[key[1]].buffers()
+        _, root, which = key
+        halves = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+        quantized = root in self.specs
+        per_expert = []
+        for e in range(self.num_experts):
+            pieces = [self._piece(f"{root}.{e}.{p}", quantized) for p in halves]
+            per_expert.append({k: torch.cat([b[k] for b in pieces], dim=-2) for k in pieces[0]})
+        return {k: torch.stack([b[k] for b in per_expert]) for k in per_expert[0]}
+
+    def _piece(self, module: str, quantized: bool) -> dict[str, torch.Tensor]:
+        """One expert's half as buffers (a quantized stack) or as a dense fp32 weight."""
+        part = self.parts[module]
+        if quantized:
+            return part.buffers()
+        dense = self.source.get(part) if isinstance(part, str) else part.dense()
+        return {"": dense.float()}
+
+
+def _common_spec(members: list[Module | str]) -> QuantSpec | None:
+    """The spec all members share, scale dtype included (so they stack), or None."""
+    if not all(isinstance(m, Module) and m.spec is not None for m in members):
+        return None
+    kinds = {(m.spec, m.source.shape(m.tensors["weight_scale"])[1:], _scale_dtype(m)) for m in members}
+    return members[0].spec if len(kinds) == 1 else None
+
+
+def _scale_dtype(m: Module) -> str:
+    return m.source.dtype(m.tensors["weight_scale"])
+
+
+def _shape_of(member: Module | str, source) -> tuple[int, int]:
+    return member.shape if isinstance(member, Module) else tuple(source.shape(member))
