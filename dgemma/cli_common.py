@@ -102,6 +102,29 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--group-size", type=positive_int, default=64, help="int4: inputs per scale (default 64)")
 
 
+def add_format_arg(p: argparse.ArgumentParser) -> None:
+    """--format: the checkpoint layout a command writes."""
+    p.add_argument(
+        "--format",
+        default="dgemma",
+        choices=["dgemma", "compressed-tensors"],
+        help="dgemma: transformers' layout, quantized weights as dgemma stores them (default); "
+        "compressed-tensors: what vLLM serves (needs --quant; int4 is then written as W4A16, q * scale)",
+    )
+
+
+def quant_spec(args: argparse.Namespace):
+    """The QuantSpec that --quant, --group-size and --format ask for (None: no quantization)."""
+    from .quant import QuantSpec
+
+    if args.quant is None:
+        if getattr(args, "format", "dgemma") == "compressed-tensors":
+            raise ValueError("--format compressed-tensors writes quantized weights: give --quant")
+        return None
+    zero = "symmetric" if getattr(args, "format", "dgemma") == "compressed-tensors" else "mid"
+    return QuantSpec.of(args.quant, args.group_size, zero)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices)."""
     from .settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams

@@ -14,7 +14,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Read DIR tensor by tensor, quantizing as it goes, and write OUT (weights, config, tokenizer)."""
-    from .cli_common import options_or_positionals
+    from .cli_common import options_or_positionals, quant_spec
     from .weights import load, save
 
     src, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.directory, args.out_dir])
@@ -26,36 +26,42 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError("OUT must differ from DIR (the source checkpoint is never overwritten)")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
-    model = load(src, quant=args.quant, group_size=args.group_size, progress=sys.stderr.isatty())
-    save(model, out)
+    spec = quant_spec(args)
+    model = load(src, quant=spec, progress=sys.stderr.isatty())
+    save(model, out, format=args.format)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
     before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     if args.json:
-        print(json.dumps({"out": str(out), "quant": args.quant, "bytes": after, "source_bytes": before}))
+        report = {"out": str(out), "quant": args.quant, "format": args.format, "bytes": after, "source_bytes": before}
+        print(json.dumps(report))
     else:
-        print(f"wrote {out}: {args.quant} weights, {after / 2**20:.1f} MiB (from {before / 2**20:.1f} MiB)")
+        print(
+            f"wrote {out}: {args.quant} weights ({args.format}), {after / 2**20:.1f} MiB "
+            f"(from {before / 2**20:.1f} MiB)"
+        )
     return 0
 
 
 def register(sub) -> None:
-    from .cli_common import add_model_option, add_quant_args
+    from .cli_common import add_format_arg, add_model_option, add_quant_args
 
     s = sub.add_parser(
         "quantize",
         help="write a quantized copy of a checkpoint (int8, int4, fp8, nvfp4)",
         description="Quantize a checkpoint's attention, MLP and expert weights (weight-only; the router, "
         "norms, embeddings and self-conditioning stay in their dtype: see dgemma/quant/__init__.py) and "
-        "write it as a checkpoint directory that every command loads directly. The source is read tensor "
-        "by tensor, never whole.",
+        "write it as a checkpoint directory that every command loads directly, or (--format "
+        "compressed-tensors) one vLLM serves. The source is read tensor by tensor, never whole.",
     )
     add_model_option(s, help="source checkpoint directory")
     s.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help="output directory")
     s.add_argument("directory", nargs="?", type=Path, metavar="DIR", help="the same as --model DIR")
     s.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
     add_quant_args(s, required=True)
+    add_format_arg(s)
     s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
-    s.add_argument("--json", action="store_true", help="print one JSON object: out, quant, bytes, source_bytes")
+    s.add_argument("--json", action="store_true", help="print one JSON object: out, quant, format, bytes, source_bytes")
     s.set_defaults(func=cmd_quantize)

@@ -42,7 +42,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
-    from .cli_common import options_or_positionals
+    from .cli_common import options_or_positionals, quant_spec
+    from .quant import quantize_model
     from .train.lora import load_adapter
     from .weights import load, save
 
@@ -50,9 +51,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     base, adapter, out = options_or_positionals(flags, [args.base, args.adapter, args.out])
     if out is None:
         raise ValueError("merge needs the base checkpoint, the adapter and where to write: --model, --adapter, --out")
+    spec = quant_spec(args)
     model = load(base, dtype=args.dtype)
     merged = load_adapter(model, adapter, merge=True)
-    save(merged, out)
+    if spec is not None:
+        quantize_model(merged, spec)
+    save(merged, out, format=args.format)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (base / name).is_file():
             shutil.copy(base / name, out / name)
@@ -79,7 +83,8 @@ def register(sub) -> None:
         "merge",
         help="merge a LoRA adapter into its base checkpoint",
         description="Add a LoRA adapter's deltas to its base weights and write a checkpoint that "
-        "loads without the adapter (tokenizer files are copied along).",
+        "loads without the adapter (tokenizer files are copied along); --quant quantizes the merged "
+        "weights, --format compressed-tensors writes them as vLLM serves them.",
     )
     m.add_argument("--model", "-m", dest="model_option", type=Path, default=None, help="the base checkpoint directory")
     m.add_argument(
@@ -94,4 +99,8 @@ def register(sub) -> None:
     m.add_argument("adapter", nargs="?", type=Path, metavar="ADAPTER", help="the same as --adapter ADAPTER")
     m.add_argument("out", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
     m.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    from .cli_common import add_format_arg, add_quant_args
+
+    add_quant_args(m)
+    add_format_arg(m)
     m.set_defaults(func=cmd_merge)

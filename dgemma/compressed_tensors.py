@@ -238,7 +238,7 @@ class Module:
         """The dequantized weight, in fp32 rounded once to the scale's dtype (the library's result)."""
         if self.spec is not None:
             q = self.quantized()
-            return dequantize(q, torch.bfloat16 if q.mode == "nvfp4" else self._get("weight_scale").dtype)
+            return dequantize(q, decompressed_dtype(q))
         s, (n_out, n_in) = self.scheme, self.shape
         scale = self._get("weight_scale")
         if "weight_packed" in self.tensors:
@@ -251,6 +251,12 @@ class Module:
             zp = _unpack_nibbles(zp.t(), n_out).t() - 8.0 if zp.dtype == torch.int32 else zp.float()
             q = q - _spread(zp, n_out, n_in, s)
         return (q * _spread(scale.float(), n_out, n_in, s)).to(scale.dtype)
+
+
+def decompressed_dtype(q: Quantized) -> torch.dtype:
+    """The dtype compressed-tensors decompresses a weight into: its scale's (fp32 for dgemma's int8 and
+    fp8, the stored one for files), bf16 for NVFP4."""
+    return torch.bfloat16 if q.mode == "nvfp4" else q.scales.dtype
 
 
 def _unpack_nibbles(words: torch.Tensor, n: int) -> torch.Tensor:
@@ -400,3 +406,131 @@ def _scale_dtype(m: Module) -> str:
 
 def _shape_of(member: Module | str, source) -> tuple[int, int]:
     return member.shape if isinstance(member, Module) else tuple(source.shape(member))
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing: a dgemma model as a compressed-tensors checkpoint (what vLLM serves)
+
+
+def _weights_args(spec: QuantSpec) -> tuple[dict, dict | None, str]:
+    """A spec's compressed-tensors weight arguments, input activation arguments and format."""
+    if spec.mode == "fp8":  # FP8_DYNAMIC: vLLM quantizes the activations per token, as --kernels fast does
+        tokens = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, tokens, "float-quantized"
+    if spec.mode == "int8":
+        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, None, "pack-quantized"
+    if spec.mode == "nvfp4":
+        args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+        return args | {"scale_dtype": "torch.float8_e4m3fn"}, None, "nvfp4-pack-quantized"
+    if spec.zero == "mid":
+        raise ValueError(
+            "dgemma's own int4 (codes read as q + 0.5) has no compressed-tensors form; quantize from the "
+            "full-precision checkpoint for it (dgemma quantize --format compressed-tensors --quant int4)"
+        )
+    strategy = {"strategy": "group", "group_size": spec.group_size} if spec.group_size else {"strategy": "channel"}
+    return {"num_bits": 4, "type": "int", "symmetric": spec.zero == "symmetric"} | strategy, None, "pack-quantized"
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> int32 [..., ceil(n / 4)] (little-endian, zero padded), as compressed-tensors packs."""
+    pad = -b.shape[-1] % 4
+    return torch.nn.functional.pad(b, (0, pad)).contiguous().view(torch.int32)
+
+
+def _nibble_bytes(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [..., n] -> two per byte, low nibble first [..., ceil(n / 2)]."""
+    n = torch.nn.functional.pad(nibbles, (0, nibbles.shape[-1] % 2))
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def compressed_tensors_of(q: Quantized) -> dict[str, torch.Tensor]:
+    """One quantized weight [out, in] as compressed-tensors stores it, by local name."""
+    n_out, n_in = q.shape
+    if q.mode == "fp8":
+        return {"weight": q.codes, "weight_scale": q.scales}
+    shape = {"weight_shape": torch.tensor([n_out, n_in], dtype=torch.int64)}
+    if q.mode == "int8":
+        codes = (q.codes.to(torch.int16) + 128).to(torch.uint8)
+        return {"weight_packed": _words(codes), "weight_scale": q.scales} | shape
+    if q.mode == "nvfp4":
+        g = q.global_scale.reshape(-1)
+        if not torch.equal(g, g[:1].expand_as(g)):
+            raise ValueError("an NVFP4 Linear has one global scale; these rows have several")
+        return {"weight_packed": q.codes, "weight_scale": q.scales, "weight_global_scale": g[:1].clone()}
+    out = {"weight_packed": _words(q.codes), "weight_scale": q.scales} | shape
+    if q.zero_point is not None:  # packed along the output dimension
+        out["weight_zero_point"] = _words(_nibble_bytes(q.zero_point.t().contiguous())).t().contiguous()
+    return out
+
+
+def _split_rows(q: Quantized, rows: slice) -> Quantized:
+    """The output rows `rows` of a quantized matrix (the gate or the up half of an expert)."""
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    n = len(range(*rows.indices(q.shape[0])))
+    return Quantized(
+        q.mode, q.codes[rows], q.scales[rows], (n, q.shape[1]), q.group_size, q.zero,
+        pick(q.zero_point), pick(q.global_scale),
+    )  # fmt: skip
+
+
+def export(model) -> tuple[dict[str, torch.Tensor], dict]:
+    """A dgemma model's tensors under compressed-tensors names (quantized Linears as codes + scales, the
+    experts one Linear each, gate / up / down, as llm-compressor writes them; the rest as dgemma saves
+    them) and the `quantization_config` that describes them: one config group per spec, the Linears
+    left in full precision listed in `ignore`. Refuses a model with nothing quantized, and dgemma's
+    own int4 (see _weights_args)."""
+    from .quant import QuantExperts, QuantLinear
+    from .weights import hf_name, hf_state_dict
+
+    tensors: dict[str, torch.Tensor] = {}
+    members: dict[QuantSpec, list[str]] = {}
+    held: set[str] = set()
+
+    def put(hf: str, q: Quantized, spec: QuantSpec) -> None:
+        tensors.update({f"{hf}.{k}": v.contiguous() for k, v in compressed_tensors_of(q).items()})
+        members.setdefault(spec, []).append(hf)
+
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            put(hf_name(name), module.quantized(), module.spec)
+        elif isinstance(module, QuantExperts):
+            root = hf_name(name)
+            for e in range(module.shapes["gate_up_proj"][0]):
+                gate_up = module.quantized("gate_up_proj", e)
+                half = gate_up.shape[0] // 2
+                put(f"{root}.{e}.gate_proj", _split_rows(gate_up, slice(0, half)), module.specs["gate_up_proj"])
+                put(f"{root}.{e}.up_proj", _split_rows(gate_up, slice(half, None)), module.specs["gate_up_proj"])
+                put(f"{root}.{e}.down_proj", module.quantized("down_proj", e), module.specs["down_proj"])
+        else:
+            continue
+        held |= {f"{name}.{b}" for b, _ in module.named_buffers(recurse=False)}
+    if not members:
+        raise ValueError("the model has no quantized weights; quantize it first (--quant)")
+    ours = dict(model.state_dict())
+    tensors |= {hf: t for (hf, t), name in zip(hf_state_dict(model), ours, strict=True) if name not in held}
+    # every other module with a weight, norms too: tools that match targets on tensor names (not module
+    # classes, as vLLM does) would take any `<m>.weight` for a Linear
+    quantized = {m for ms in members.values() for m in ms}
+    plain = {hf.rpartition(".")[0] for hf in tensors if hf.endswith(".weight")} - quantized
+    return tensors, quantization_config(members, [*sorted(plain), "lm_head"])
+
+
+def quantization_config(members: dict[QuantSpec, list[str]], ignore: list[str]) -> dict:
+    """The `quantization_config` of config.json for modules stored as their spec (one group each)."""
+    groups, formats = {}, set()
+    for i, (spec, modules) in enumerate(members.items()):
+        weights, inputs, fmt = _weights_args(spec)
+        targets = ["Linear"] if len(members) == 1 else sorted(modules)
+        groups[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": inputs, "format": fmt}
+        formats.add(fmt)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }

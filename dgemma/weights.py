@@ -38,7 +38,7 @@ from .quant import (
     QuantSpec,
     Spec,
     check_mode,
-    describe,
+    describe_spec,
     describe_specs,
     quantized_buffer_names,
     quantized_weight_names,
@@ -189,12 +189,12 @@ def load(
     device: torch.device | str = "cpu",
     verify_tied: bool = True,
     progress: bool = False,
-    quant: str | None = None,
+    quant: str | QuantSpec | None = None,
     group_size: int = 64,
 ) -> DiffusionGemma:
     """Load a Hugging Face-format DiffusionGemma checkpoint directory into a dgemma model.
 
-    With `quant` ('int8', 'int4', 'fp8' or 'nvfp4'; `group_size` for int4) the policy's layers
+    With `quant` ('int8', 'int4', 'fp8' or 'nvfp4'; `group_size` for int4; or a QuantSpec) the policy's layers
     (dgemma.quant) are quantized as they are read, tensor by tensor (the stacked experts expert by
     expert), so the full precision model is never in memory. A checkpoint that is already quantized
     loads quantized as stored: one written by dgemma (`config.json` has a `quantization` block), or a
@@ -221,11 +221,12 @@ def load(
     with torch.device("meta"):
         model = DiffusionGemma(config)
     specs = _stored_specs(model, stored, source)
-    if specs and quant:
+    spec = quant if isinstance(quant, QuantSpec) or quant is None else QuantSpec.of(quant, group_size)
+    if specs and spec:
         as_stored = stored["mode"] if stored else "compressed-tensors"
-        if quant != as_stored:
-            raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {quant}")
-        quant = None
+        if spec.mode != as_stored:
+            raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {spec.mode}")
+        spec = None
     if specs:  # the checkpoint holds codes and scales: validate against the quantized layout
         with torch.device("meta"):
             swap_modules(model, specs, empty=True)
@@ -235,12 +236,11 @@ def load(
         target = source.get(primary["embed_tokens.weight"]).dtype
         if target not in _DTYPE_NAMES:
             target = torch.float32
-    if quant:  # quantize on load: the full-precision layout was validated above
-        check_mode(quant)
+    if spec:  # quantize on load: the full-precision layout was validated above
         with torch.device("meta"):
-            swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of(quant, group_size)), empty=True)
+            swap_modules(model, dict.fromkeys(targets(model), spec), empty=True)
     report = _Progress(len(primary), f"loading {directory.name}") if progress else None
-    state = _read_state(model, source, primary, device, target, (quant, group_size) if quant else None, report)
+    state = _read_state(model, source, primary, device, target, spec, report)
     if verify_tied:
         for hf, ours in tied.items():
             if not torch.equal(source.get(hf).to(device=device, dtype=state[ours].dtype), state[ours]):
@@ -249,8 +249,8 @@ def load(
                     "DiffusionGemma shares these weights between encoder and decoder"
                 )
     model.load_state_dict(state, strict=True, assign=True)
-    if quant:
-        model.quantization = describe(quant, group_size)
+    if spec:
+        model.quantization = describe_spec(spec)
     elif specs:
         model.quantization = stored if stored else describe_specs(specs)
     model.generation_config = GenerationConfig.from_file(directory)
@@ -323,8 +323,8 @@ def _check_names(directory: Path, model: DiffusionGemma, source, primary: dict, 
         raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
 
 
-def _read_state(model, source, primary: dict, device, target, quantize: tuple | None, report) -> dict:
-    """Every tensor of the model, read (and, with `quantize` = (mode, group size), quantized) one by one."""
+def _read_state(model, source, primary: dict, device, target, quantize: QuantSpec | None, report) -> dict:
+    """Every tensor of the model, read (and, with `quantize`, quantized as that spec) one by one."""
     to_quantize = quantized_weight_names(model) if quantize else set()
     stored = set() if quantize else quantized_buffer_names(model)
     state = {}
@@ -333,7 +333,7 @@ def _read_state(model, source, primary: dict, device, target, quantize: tuple | 
             # through a mapping of its own: the bf16 pages read are released with the tensor, instead of
             # staying resident until every view of the checkpoint's mapping (the model's norms) is gone
             tensor = source.take(hf)
-            for suffix, t in quantized_buffers(tensor, *quantize).items():
+            for suffix, t in quantized_buffers(tensor, quantize).items():
                 state[ours + suffix] = t.to(device)
             nbytes = tensor.nbytes
             del tensor
@@ -448,21 +448,37 @@ def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: 
         raise
 
 
+FORMATS = ("dgemma", "compressed-tensors")
+
+
 def save(
     model: DiffusionGemma,
     path: str | os.PathLike,
     *,
     max_shard_bytes: int = 5 * 2**30,
     generation_config: GenerationConfig | None = None,
+    format: str = "dgemma",
 ) -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config, safetensors, optional index).
 
-    Every file is written to a temporary name and renamed into place, so a crash leaves either the old
-    file or the new one, never a torn one. The weight files go first and config.json last.
+    `format`: "dgemma" (transformers' layout; a quantized model's codes and scales under dgemma's names,
+    described by a `quantization` block) or "compressed-tensors" (a quantized model as vLLM and the
+    compressed-tensors library read it: dgemma/compressed_tensors.py). Every file is written to a
+    temporary name and renamed into place, so a crash leaves either the old file or the new one, never a
+    torn one. The weight files go first and config.json last.
     """
+    if format not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; choose one of {', '.join(FORMATS)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in hf_state_dict(model)}
+    quantization_config = None
+    if format == "compressed-tensors":
+        from .compressed_tensors import export
+
+        named, quantization_config = export(model)
+    else:
+        named = dict(hf_state_dict(model))
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -489,7 +505,9 @@ def save(
         atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
     config = model.config.to_dict()
     config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
-    if getattr(model, "quantization", None):
+    if quantization_config:
+        config["quantization_config"] = quantization_config
+    elif getattr(model, "quantization", None):
         config["quantization"] = model.quantization
     atomic_write_bytes(out / "config.json", json.dumps(config, indent=2).encode())
     return out

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dgemma
-from dgemma.quant import QuantExperts, QuantLinear, dequantize
+from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, dequantize
 from dgemma.testing import fp32_logit_tolerance
 
 ct = pytest.importorskip("compressed_tensors")
@@ -313,3 +313,94 @@ def test_nvfp4_activation_scales_are_reported_unused(source, tmp_path):
     )
     with pytest.warns(UserWarning, match="W4A16"):
         dgemma.load(tmp_path / "ct")
+
+
+EXPORTS = {
+    "fp8": QuantSpec.of("fp8"),
+    "int8": QuantSpec.of("int8"),
+    "int4": QuantSpec.of("int4", 16, "symmetric"),
+    "int4-channel": QuantSpec("int4", None, "symmetric"),
+    "nvfp4": QuantSpec.of("nvfp4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_exports_decompress_in_the_library_to_dgemma_s_weights(source, tmp_path, name):
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    from dgemma.compressed_tensors import decompressed_dtype
+
+    model = dgemma.load(source, quant=EXPORTS[name])
+    dgemma.save(model, tmp_path / "ct", format="compressed-tensors")
+    raw = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert "quantization" not in raw
+    QuantizationConfig.model_validate(raw["quantization_config"])  # the library parses our config
+    dense = CompressedTensorsDequantizer(tmp_path / "ct", dtype=torch.float32).validate(
+        load_file(tmp_path / "ct" / "model.safetensors")
+    )  # every quantized tensor consumed: validate raises on leftovers
+    ignored = set(raw["quantization_config"]["ignore"])
+    assert {k.removesuffix(".weight") for k in dense if k.endswith(".weight")} - ignored == set(_linears_of(model))
+    for module in _linears_of(model):
+        q = _quantized_of(model, module)
+        assert torch.equal(dense[f"{module}.weight"], dequantize(q, decompressed_dtype(q)).float()), module
+    again = dgemma.load(tmp_path / "ct")  # and dgemma reads its own export back, bit for bit
+    a, b = model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def _linears_of(model) -> list[str]:
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            out.append(DEC + name)
+        elif isinstance(m, QuantExperts):
+            out += [f"{DEC}{name}.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def _quantized_of(model, module: str):
+    from dgemma.compressed_tensors import _split_rows
+
+    name = module.removeprefix(DEC)
+    if ".experts." not in name:
+        return model.get_submodule(name).quantized()
+    root, e, part = name.rsplit(".", 2)
+    stack = model.get_submodule(root)
+    if part == "down_proj":
+        return stack.quantized("down_proj", int(e))
+    q = stack.quantized("gate_up_proj", int(e))
+    half = q.shape[0] // 2
+    return _split_rows(q, slice(0, half) if part == "gate_proj" else slice(half, None))
+
+
+def test_exports_refuse_what_compressed_tensors_cannot_hold(source, tmp_path):
+    with pytest.raises(ValueError, match="no quantized weights"):
+        dgemma.save(dgemma.load(source), tmp_path / "a", format="compressed-tensors")
+    with pytest.raises(ValueError, match="own int4"):
+        dgemma.save(dgemma.load(source, quant="int4", group_size=16), tmp_path / "b", format="compressed-tensors")
+
+
+def test_the_quantize_command_writes_what_vllm_serves(source, tmp_path, capsys):
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    from dgemma.cli import main
+    from dgemma.testing import make_tokenizer
+
+    make_tokenizer(512).save(tmp_path / "src")
+    for f in source.iterdir():
+        (tmp_path / "src" / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "w4a16"
+    args = ["quantize", str(tmp_path / "src"), str(out), "--quant", "int4", "--group-size", "16"]
+    assert main([*args, "--format", "compressed-tensors", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "compressed-tensors"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"] | {"targets": qc["config_groups"]["group_0"]["targets"]} == {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16, "targets": ["Linear"],
+    }  # fmt: skip
+    CompressedTensorsDequantizer(out).validate(load_file(out / "model.safetensors"))
+    assert (out / "tokenizer.json").is_file()
+    assert main(["generate", "-m", str(out), "-p", "a", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse: --quant is required
+        main(["quantize", str(tmp_path / "src"), str(tmp_path / "x"), "--format", "compressed-tensors"])
+    assert "--quant" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.quant import QuantExperts, QuantLinear, dequantize, quantize, quantize_model, targets
+from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, dequantize, quantize, quantize_model, targets
 from dgemma.quant.formats import pack_int4, unpack_int4
 
 
@@ -57,7 +57,7 @@ def test_quant_linear_equals_the_dequantized_reference(mode, monkeypatch):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=False)
     x = torch.randn(5, 7, 64)
-    q = QuantLinear.from_linear(linear, mode, group_size=32)
+    q = QuantLinear.from_linear(linear, QuantSpec.of(mode, 32))
     reference = F.linear(x, dequantize(q.quantized()))
     torch.testing.assert_close(q(x), reference, rtol=0, atol=0)
     monkeypatch.setattr("dgemma.quant.modules.TILE_ELEMENTS", 64 * 10)  # tiles of 10 rows
@@ -69,7 +69,7 @@ def test_quant_experts_equal_the_reference_on_dequantized_weights(mode):
     config = dgemma.preset("tiny")
     model = dgemma.build(config, seed=0)
     experts = model.layers[0].experts
-    q = QuantExperts.from_experts(experts, mode, group_size=16)
+    q = QuantExperts.from_experts(experts, QuantSpec.of(mode, 16))
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.stack([q.expert("gate_up_proj", e, torch.float32) for e in range(4)]))
         experts.down_proj.copy_(torch.stack([q.expert("down_proj", e, torch.float32) for e in range(4)]))

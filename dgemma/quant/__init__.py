@@ -60,12 +60,18 @@ def targets(model: DiffusionGemma) -> list[str]:
 
 def describe(mode: str, group_size: int | None) -> dict:
     """The `quantization` block of config.json (and `model.quantization`) for dgemma's policy in one mode."""
-    return {
+    return describe_spec(QuantSpec.of(mode, group_size or 64))
+
+
+def describe_spec(spec: QuantSpec) -> dict:
+    """`describe` for one spec (int4 codes read as q + 0.5 unless the block says `zero`)."""
+    block = {
         "quant_method": "dgemma",
-        "mode": mode,
-        "group_size": group_size if mode == "int4" else None,
+        "mode": spec.mode,
+        "group_size": spec.group_size if spec.mode == "int4" else None,
         "modules": "layers.*: self_attn.{q,k,v,o}_proj, mlp.*, experts",
     }
+    return block | ({"zero": spec.zero} if spec.zero != "mid" else {})
 
 
 def describe_specs(specs: dict[str, Spec]) -> dict:
@@ -83,7 +89,8 @@ def describe_specs(specs: dict[str, Spec]) -> dict:
 def specs_of(block: dict, model: DiffusionGemma) -> dict[str, Spec]:
     """The module specs a `quantization` block (describe or describe_specs) stands for."""
     if block.get("mode") != "per-module":
-        return dict.fromkeys(targets(model), QuantSpec.of(block["mode"], block.get("group_size") or 64))
+        spec = QuantSpec.of(block["mode"], block.get("group_size") or 64, block.get("zero", "mid"))
+        return dict.fromkeys(targets(model), spec)
     out: dict[str, Spec] = {}
     for name, spec in block["modules"].items():
         if "gate_up_proj" in spec:
@@ -106,13 +113,12 @@ def swap_modules(model: DiffusionGemma, specs: dict[str, Spec], *, empty: bool =
             if empty:
                 swapped = QuantExperts(e, m, two_i // 2, *(spec if isinstance(spec, tuple) else (spec,)))
             else:
-                swapped = QuantExperts.from_experts(module, spec.mode, spec.group_size or 64)
-                swapped = swapped.to(module.gate_up_proj.device)
+                swapped = QuantExperts.from_experts(module, spec).to(module.gate_up_proj.device)
         elif isinstance(module, nn.Linear) and isinstance(spec, QuantSpec):
             if empty:
                 swapped = QuantLinear(module.in_features, module.out_features, spec)
             else:
-                swapped = QuantLinear.from_linear(module, spec.mode, spec.group_size or 64).to(module.weight.device)
+                swapped = QuantLinear.from_linear(module, spec).to(module.weight.device)
         else:
             raise ValueError(f"{name} is a {type(module).__name__}; {spec} is for linear layers or experts")
         setattr(parent, child, swapped)
@@ -139,8 +145,9 @@ def quantized_buffer_names(model: DiffusionGemma) -> set[str]:
     }
 
 
-def quantize_model(model: DiffusionGemma, mode: str, group_size: int = 64) -> DiffusionGemma:
+def quantize_model(model: DiffusionGemma, mode: str | QuantSpec, group_size: int = 64) -> DiffusionGemma:
     """Quantize a loaded model in place (the policy's modules swapped; returns the model)."""
-    swap_modules(model, dict.fromkeys(targets(model), QuantSpec.of(mode, group_size)))
-    model.quantization = describe(mode, group_size)
+    spec = mode if isinstance(mode, QuantSpec) else QuantSpec.of(mode, group_size)
+    swap_modules(model, dict.fromkeys(targets(model), spec))
+    model.quantization = describe_spec(spec)
     return model

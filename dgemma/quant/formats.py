@@ -54,9 +54,15 @@ class QuantSpec:
             raise ValueError(f"{self.mode} has one scale per output row (got group_size={self.group_size})")
 
     @classmethod
-    def of(cls, mode: str, group_size: int = 64) -> QuantSpec:
-        """dgemma's own format for `mode` (`group_size` is used by int4 only)."""
-        return cls(mode, group_size if mode == "int4" else NVFP4_GROUP if mode == "nvfp4" else None)
+    def of(cls, mode: str, group_size: int = 64, zero: str = "mid") -> QuantSpec:
+        """dgemma's format for `mode` (`group_size` and `zero` are used by int4 only)."""
+        group = group_size if mode == "int4" else NVFP4_GROUP if mode == "nvfp4" else None
+        return cls(mode, group, zero if mode == "int4" else "mid")
+
+    @property
+    def writable(self) -> bool:
+        """Whether dgemma quantizes into this spec (asymmetric int4 is read, never written)."""
+        return self.zero != "asymmetric"
 
     def groups(self, n_in: int) -> int:
         """Scales per output row for a weight of `n_in` inputs."""
@@ -97,8 +103,10 @@ def _row_absmax(w: torch.Tensor) -> torch.Tensor:
     return w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
-    """Quantize a weight `[..., out, in]` (any float dtype; computed in fp32)."""
+def quantize(w: torch.Tensor, mode: str, group_size: int = 64, zero: str = "mid") -> Quantized:
+    """Quantize a weight `[..., out, in]` (any float dtype; computed in fp32). int4 codes are read as
+    q + 0.5 (`zero="mid"`, dgemma's own: 16 levels symmetric about 0) or as q ("symmetric", the
+    compressed-tensors W4A16 layout that vLLM runs)."""
     check_mode(mode)
     if w.dim() < 2:
         raise ValueError(f"only matrices (or stacks of them) are quantized, got shape {tuple(w.shape)}")
@@ -120,8 +128,11 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64) -> Quantized:
     groups = w.reshape(*shape[:-1], n_in // group_size, group_size)
     # bf16 scales (0.03 bytes per weight at group 64, not 0.06), rounded before the codes are chosen
     scales = (groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 7.5).to(torch.bfloat16)
-    codes = torch.round(groups / scales.float() - 0.5).clamp_(-8, 7).to(torch.int16)  # x = (q + 0.5) s
-    return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size)
+    if zero not in ("mid", "symmetric"):
+        raise ValueError(f"int4 quantizes with zero 'mid' or 'symmetric' (got {zero!r})")
+    offset = 0.5 if zero == "mid" else 0.0  # x = (q + 0.5) s, or x = q s
+    codes = torch.round(groups / scales.float() - offset).clamp_(-8, 7).to(torch.int16)
+    return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size, zero)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> Quantized:
@@ -150,13 +161,14 @@ def quantize_nvfp4(w: torch.Tensor) -> Quantized:
     return q
 
 
-def quantized_buffers(w: torch.Tensor, mode: str, group_size: int = 64) -> dict[str, torch.Tensor]:
+def quantized_buffers(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     """A weight or a stack of them (`[E, out, in]`, quantized one matrix at a time so only one is ever
-    in fp32) as the buffers a quantized module stores, by suffix: "" (codes), "_scale", and for nvfp4
-    "_global_scale"."""
-    parts = [quantize(w, mode, group_size)] if w.dim() == 2 else [quantize(m, mode, group_size) for m in w]
+    in fp32) as the buffers a module stored as `spec` holds, by suffix: "" (codes), "_scale", and for
+    nvfp4 "_global_scale"."""
+    args = (spec.mode, spec.group_size or w.shape[-1], spec.zero)
+    parts = [quantize(w, *args)] if w.dim() == 2 else [quantize(m, *args) for m in w]
     out = {"": [q.codes for q in parts], "_scale": [q.scales for q in parts]}
-    if mode == "nvfp4":
+    if spec.mode == "nvfp4":
         out["_global_scale"] = [q.global_scale for q in parts]
     return {k: v[0] if w.dim() == 2 else torch.stack(v) for k, v in out.items()}
 

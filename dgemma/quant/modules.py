@@ -53,8 +53,8 @@ def check_shape(spec: QuantSpec, shape: tuple[int, ...]) -> None:
 
 
 def _check_own(spec: QuantSpec) -> None:
-    if spec.zero != "mid":
-        raise ValueError(f"dgemma quantizes int4 with midpoint codes; this module stores {spec.zero} ones (read only)")
+    if not spec.writable:
+        raise ValueError(f"dgemma reads {spec.mode} with {spec.zero} zero points but does not quantize into it")
 
 
 def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], index: int | None = None) -> Quantized:
@@ -101,17 +101,17 @@ class QuantLinear(nn.Module):
         return self.spec.mode
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 64) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> QuantLinear:
         if linear.bias is not None:
             raise ValueError("QuantLinear has no bias; DiffusionGemma's linear layers have none")
-        module = cls(linear.in_features, linear.out_features, QuantSpec.of(mode, group_size))
+        module = cls(linear.in_features, linear.out_features, spec)
         module.set_weight(linear.weight.detach())
         return module
 
     def set_weight(self, w: torch.Tensor) -> None:
         """Quantize `w` [out, in] into this module's buffers (dgemma's own format for the mode)."""
         _check_own(self.spec)
-        for suffix, t in quantized_buffers(w, self.spec.mode, self.spec.group_size or 64).items():
+        for suffix, t in quantized_buffers(w, self.spec).items():
             setattr(self, "weight" + suffix, t.to(self.weight.device))
 
     def quantized(self) -> Quantized:
@@ -170,9 +170,9 @@ class QuantExperts(nn.Module):
         return modes.pop() if len(modes) == 1 else "mixed"
 
     @classmethod
-    def from_experts(cls, experts: Experts, mode: str, group_size: int = 64) -> QuantExperts:
+    def from_experts(cls, experts: Experts, spec: QuantSpec) -> QuantExperts:
         e, two_i, m = experts.gate_up_proj.shape
-        module = cls(e, m, two_i // 2, QuantSpec.of(mode, group_size))
+        module = cls(e, m, two_i // 2, spec)
         module.set_weight("gate_up_proj", experts.gate_up_proj.detach())
         module.set_weight("down_proj", experts.down_proj.detach())
         return module
@@ -183,7 +183,7 @@ class QuantExperts(nn.Module):
             raise ValueError(f"{name}: expected shape {self.shapes[name]}, got {tuple(w.shape)}")
         spec = self.specs[name]
         _check_own(spec)
-        for suffix, t in quantized_buffers(w, spec.mode, spec.group_size or 64).items():
+        for suffix, t in quantized_buffers(w, spec).items():
             getattr(self, name + suffix).copy_(t)
 
     def quantized(self, name: str, e: int) -> Quantized:
