@@ -103,13 +103,22 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 
 def add_format_arg(p: argparse.ArgumentParser) -> None:
-    """--format: the checkpoint layout a command writes."""
+    """--format and --gguf-type: the checkpoint layout a command writes."""
+    from .gguf_file import WRITABLE
+
     p.add_argument(
         "--format",
         default="dgemma",
-        choices=["dgemma", "compressed-tensors"],
+        choices=["dgemma", "compressed-tensors", "gguf"],
         help="dgemma: transformers' layout, quantized weights as dgemma stores them (default); "
-        "compressed-tensors: what vLLM serves (needs --quant; int4 is then written as W4A16, q * scale)",
+        "compressed-tensors: what vLLM serves (needs --quant; int4 is then written as W4A16, q * scale); "
+        "gguf: llama.cpp's DiffusionGemma layout, one .gguf file (from full-precision weights: --gguf-type)",
+    )
+    p.add_argument(
+        "--gguf-type",
+        default="bf16",
+        choices=list(WRITABLE),
+        help="--format gguf: the weight matrices' GGUF type (default bf16; norms and the router stay F32)",
     )
 
 
@@ -117,12 +126,38 @@ def quant_spec(args: argparse.Namespace):
     """The QuantSpec that --quant, --group-size and --format ask for (None: no quantization)."""
     from .quant import QuantSpec
 
+    fmt = getattr(args, "format", "dgemma")
     if args.quant is None:
-        if getattr(args, "format", "dgemma") == "compressed-tensors":
+        if fmt == "compressed-tensors":
             raise ValueError("--format compressed-tensors writes quantized weights: give --quant")
         return None
-    zero = "symmetric" if getattr(args, "format", "dgemma") == "compressed-tensors" else "mid"
-    return QuantSpec.of(args.quant, args.group_size, zero)
+    if fmt == "gguf":
+        raise ValueError("--format gguf quantizes as it writes: give --gguf-type (q8_0, q4_0, ...), not --quant")
+    return QuantSpec.of(args.quant, args.group_size, "symmetric" if fmt == "compressed-tensors" else "mid")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -> list[Path]:
+    """Write `model` at `out` in --format, with the tokenizer of `source` (its files beside the weights,
+    or inside the .gguf); returns the files written."""
+    import shutil
+
+    from .tokenizer import Tokenizer
+    from .weights import save
+
+    if args.format == "gguf":
+        from .gguf_file import write
+
+        path = out if out.suffix == ".gguf" else out / f"{source.name}-{args.gguf_type}.gguf"
+        tokenizer = Tokenizer.from_dir(source) if (source / "tokenizer.json").is_file() else None
+        return [write(model, path, args.gguf_type, tokenizer=tokenizer)]
+    save(model, out, format=args.format)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return sorted(out.glob("*.safetensors"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -207,8 +242,8 @@ def load_model(args: argparse.Namespace):
     if args.model is None:
         args.model = _default_model_dir()
     directory = args.model
-    if not directory.is_dir():
-        raise FileNotFoundError(f"model directory {directory} does not exist")
+    if not directory.is_dir() and not (directory.is_file() and directory.suffix == ".gguf"):
+        raise FileNotFoundError(f"model directory (or .gguf file) {directory} does not exist")
     tokenizer = Tokenizer.from_dir(directory)
     device = resolve_device(args.device)
     if args.quant and args.adapter is not None:

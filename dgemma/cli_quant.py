@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Read DIR tensor by tensor, quantizing as it goes, and write OUT (weights, config, tokenizer)."""
-    from .cli_common import options_or_positionals, quant_spec
-    from .weights import load, save
+    from .cli_common import options_or_positionals, quant_spec, write_checkpoint
+    from .weights import load
 
     src, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.directory, args.out_dir])
     if src is None or out is None:
@@ -24,24 +21,21 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"model directory {src} does not exist")
     if out.resolve() == src.resolve():
         raise ValueError("OUT must differ from DIR (the source checkpoint is never overwritten)")
-    if out.exists() and any(out.iterdir()) and not args.force:
+    if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
+    if args.quant is None and args.format != "gguf":
+        raise ValueError("give --quant (int8, int4, fp8, nvfp4), or --format gguf with --gguf-type")
     spec = quant_spec(args)
     model = load(src, quant=spec, progress=sys.stderr.isatty())
-    save(model, out, format=args.format)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    written = write_checkpoint(model, out, args, src)
     before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    after = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    after = sum(f.stat().st_size for f in written)
+    kind = args.gguf_type if args.format == "gguf" else args.quant
     if args.json:
-        report = {"out": str(out), "quant": args.quant, "format": args.format, "bytes": after, "source_bytes": before}
-        print(json.dumps(report))
+        report = {"out": str(out), "quant": kind, "format": args.format, "bytes": after, "source_bytes": before}
+        print(json.dumps(report | {"files": [str(f) for f in written]}))
     else:
-        print(
-            f"wrote {out}: {args.quant} weights ({args.format}), {after / 2**20:.1f} MiB "
-            f"(from {before / 2**20:.1f} MiB)"
-        )
+        print(f"wrote {out}: {kind} weights ({args.format}), {after / 2**20:.1f} MiB (from {before / 2**20:.1f} MiB)")
     return 0
 
 
@@ -60,7 +54,7 @@ def register(sub) -> None:
     s.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help="output directory")
     s.add_argument("directory", nargs="?", type=Path, metavar="DIR", help="the same as --model DIR")
     s.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
-    add_quant_args(s, required=True)
+    add_quant_args(s)
     add_format_arg(s)
     s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
     s.add_argument("--json", action="store_true", help="print one JSON object: out, quant, format, bytes, source_bytes")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -42,10 +41,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
-    from .cli_common import options_or_positionals, quant_spec
+    from .cli_common import options_or_positionals, quant_spec, write_checkpoint
     from .quant import quantize_model
     from .train.lora import load_adapter
-    from .weights import load, save
+    from .weights import load
 
     flags = {"--model": args.model_option, "--adapter": args.adapter_option, "--out": args.out_option}
     base, adapter, out = options_or_positionals(flags, [args.base, args.adapter, args.out])
@@ -56,10 +55,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     merged = load_adapter(model, adapter, merge=True)
     if spec is not None:
         quantize_model(merged, spec)
-    save(merged, out, format=args.format)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (base / name).is_file():
-            shutil.copy(base / name, out / name)
+    write_checkpoint(merged, out, args, base)
     print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
     return 0
 

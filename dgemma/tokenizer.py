@@ -121,8 +121,15 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and the chat template from a checkpoint directory."""
+        """Load tokenizer.json, tokenizer_config.json and the chat template from a checkpoint directory
+        (a GGUF file, or a directory with one .gguf and no tokenizer.json: `from_gguf`)."""
         directory = Path(path)
+        if (directory.is_file() and directory.suffix == ".gguf") or (
+            directory.is_dir()
+            and not (directory / "tokenizer.json").is_file()
+            and len(list(directory.glob("*.gguf"))) == 1
+        ):
+            return cls.from_gguf(directory if directory.is_file() else next(directory.glob("*.gguf")))
         tj = directory / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"{tj} not found: dgemma needs the tokenizer in tokenizers' JSON format")
@@ -164,6 +171,45 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
         if self.chat_template:
             (directory / "chat_template.jinja").write_text(self.chat_template)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (what tokenizer.json holds)."""
+        return self._tok.to_str()
+
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones too) with its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer a GGUF file carries: its tokenizers JSON (`tokenizer.huggingface.json`, which
+        dgemma writes), special tokens by id, and `tokenizer.chat_template`."""
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+
+        def field(key: str):
+            f = reader.fields.get(key)
+            return None if f is None else f.contents()
+
+        source = field("tokenizer.huggingface.json")
+        if source is None:
+            raise ValueError(
+                f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that "
+                "exact form. Put the model's tokenizer.json (and chat template) beside the file"
+            )
+        tok = _HFTokenizer.from_str(source)
+        special = {}
+        for key, name in (
+            ("bos", "bos_token"),
+            ("eos", "eos_token"),
+            ("padding", "pad_token"),
+            ("unknown", "unk_token"),
+        ):
+            token_id = field(f"tokenizer.ggml.{key}_token_id")
+            if token_id is not None and tok.id_to_token(int(token_id)) is not None:
+                special[name] = tok.id_to_token(int(token_id))
+        return cls(tok, special, field("tokenizer.chat_template"))
 
     # -- ids --------------------------------------------------------------------------------------------
     @property

@@ -33,6 +33,8 @@ from torch import nn
 
 from .compressed_tensors import CompressedSource, is_compressed_tensors
 from .config import DiffusionGemmaConfig, GenerationConfig
+from .gguf_file import GGUFSource, gguf_path
+from .gguf_file import read_config as read_gguf_config
 from .model import DiffusionGemma, Experts
 from .quant import (
     QuantSpec,
@@ -199,6 +201,8 @@ def load(
     expert), so the full precision model is never in memory. A checkpoint that is already quantized
     loads quantized as stored: one written by dgemma (`config.json` has a `quantization` block), or a
     compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; dgemma/compressed_tensors.py).
+    `path` may also be a GGUF file of llama.cpp's DiffusionGemma conversion (or a directory holding one):
+    dgemma/gguf_file.py.
 
     The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
     so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
@@ -207,10 +211,17 @@ def load(
     reads both copies). With `progress`, a one-line progress report goes to stderr.
     """
     directory = Path(path)
-    files = _weight_files(directory)
-    config = DiffusionGemmaConfig.from_file(directory)
-    source, stored = _open(directory, files, config)
+    gguf = gguf_path(directory)
+    if gguf is not None:
+        config, generation = read_gguf_config(gguf)
+    else:
+        files = _weight_files(directory)
+        config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
+    with torch.device("meta"):
+        keep = {n for n, m in DiffusionGemma(config).named_modules() if type(m) is nn.Linear or isinstance(m, Experts)}
+    source, stored = (GGUFSource(gguf, keep), None) if gguf is not None else _open(directory, files, config)
     primary, tied, vision, unknown = _map_names(source.names())
+    unknown += getattr(source, "unknown", [])
     if config.vision_config is not None and not vision:
         warnings.warn(
             f"{directory}: config.json has a vision_config but the checkpoint no vision tower; loading it "
@@ -253,7 +264,7 @@ def load(
         model.quantization = describe_spec(spec)
     elif specs:
         model.quantization = stored if stored else describe_specs(specs)
-    model.generation_config = GenerationConfig.from_file(directory)
+    model.generation_config = generation
     model.eval()
     return model
 
@@ -272,7 +283,7 @@ def _stored_specs(model: DiffusionGemma, stored: dict | None, source) -> dict[st
     """The specs of the modules a checkpoint stores quantized, by our module names."""
     if stored:
         return specs_of(stored, model)
-    if not isinstance(source, CompressedSource):
+    if not isinstance(source, CompressedSource | GGUFSource):
         return {}
     specs: dict[str, Spec] = {}
     for hf, spec in source.specs.items():

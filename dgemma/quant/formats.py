@@ -4,7 +4,8 @@ Every format quantizes along the *input* dimension of a weight laid out as `[...
 and the stacked experts alike), so a scale multiplies one output row (or one group of one row) and
 dequantization is a broadcast multiply. What dgemma writes:
 
-- `int8`: one fp32 scale per output row; codes in [-127, 127] (int8).
+- `int8`: one fp32 scale per output row; codes in [-127, 127] (int8). Read also with one scale per
+  group (GGUF's Q8_0: fp16 per 32).
 - `int4`: one bf16 scale per group of `group_size` inputs of a row; codes in [-8, 7] stored two per byte
   (uint8, low nibble first, offset by 8) and read as the midpoints (q + 0.5) * scale, 16 levels symmetric
   about 0; a `[out, in]` weight takes `out * in / 2` bytes plus the scales.
@@ -50,8 +51,8 @@ class QuantSpec:
             raise ValueError(f"zero={self.zero!r} is for int4 only, one of {ZEROS}")
         if self.mode == "nvfp4" and self.group_size != NVFP4_GROUP:
             raise ValueError(f"nvfp4 has one scale per {NVFP4_GROUP} inputs (got group_size={self.group_size})")
-        if self.mode in ("int8", "fp8") and self.group_size is not None:
-            raise ValueError(f"{self.mode} has one scale per output row (got group_size={self.group_size})")
+        if self.mode == "fp8" and self.group_size is not None:
+            raise ValueError(f"fp8 has one scale per output row (got group_size={self.group_size})")
 
     @classmethod
     def of(cls, mode: str, group_size: int = 64, zero: str = "mid") -> QuantSpec:
@@ -210,7 +211,11 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, rows: slice | N
     pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[..., rows, :])
     codes, scales = pick(q.codes), pick(q.scales)
     if q.mode not in ("int4", "nvfp4"):
-        return (codes.float() * scales.float()).to(dtype)
+        if scales.shape[-1] == 1:  # one scale per row
+            return (codes.float() * scales.float()).to(dtype)
+        g = codes.shape[-1] // scales.shape[-1]  # int8 per group (GGUF Q8_0: 32)
+        grouped = codes.float().view(*codes.shape[:-1], scales.shape[-1], g) * scales.float().unsqueeze(-1)
+        return grouped.view(codes.shape).to(dtype)
     # one table lookup per byte gives both of its values (2x faster on CPU than shifting and masking)
     c = F.embedding(codes.int(), _byte_table("e2m1" if q.mode == "nvfp4" else q.zero, codes.device))
     g = q.group_size or q.shape[-1]

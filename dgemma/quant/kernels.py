@@ -72,5 +72,6 @@ def use_kernels(model: torch.nn.Module, enable: bool = True) -> torch.nn.Module:
 
     for module in model.modules():
         if isinstance(module, QuantLinear | QuantExperts):
-            module.kernel = KERNELS.get(module.mode) if enable else None
+            per_row = all(spec.group_size is None for spec in module.specs.values())  # the kernels' scales
+            module.kernel = KERNELS.get(module.mode) if enable and per_row else None
     return model

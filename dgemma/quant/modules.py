@@ -28,7 +28,7 @@ def empty_buffers(spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, torch.Te
     groups = spec.groups(n_in)
     if spec.mode in ("int8", "fp8"):
         dtype = torch.int8 if spec.mode == "int8" else torch.float8_e4m3fn
-        return {"": torch.zeros(*shape, dtype=dtype), "_scale": torch.zeros(*lead, n_out, 1)}
+        return {"": torch.zeros(*shape, dtype=dtype), "_scale": torch.zeros(*lead, n_out, groups)}
     scale_dtype = torch.bfloat16 if spec.mode == "int4" else torch.float8_e4m3fn
     out = {
         "": torch.zeros(*lead, n_out, n_in // 2, dtype=torch.uint8),

@@ -1,0 +1,461 @@
+"""GGUF files of DiffusionGemma (llama.cpp's `diffusion-gemma` conversion) read and written with `gguf`.
+
+The layout is the one of llama.cpp PR #24423 (Unsloth's files; shared/reference/formats.md section 2):
+arch `diffusion-gemma`, `blk.N.*` tensors in transformers' [out, in] order, fused experts, no `attn_v`
+on full-attention layers, norms stored as they are (no 1 + w), both layer scalars
+(`layer_output_scale` for the canvas, `enc_layer_output_scale` for the prompt), the self-conditioning
+MLP, and the canvas length and sampler settings under `diffusion.*`. PR #24427's names
+(`self_cond_norm`, one layer scalar for both phases) are read too.
+
+The `gguf` package reads the file (memory-mapped) and decodes every block type (its dequantizers:
+Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, IQ types); dgemma keeps two of them quantized, in its own
+formats, since they are the same arithmetic: Q8_0 as int8 with an fp16 scale per 32 weights, Q4_0 as
+int4 (q * scale, q in [-8, 7]) with an fp16 scale per 32; the nibbles are reordered, nothing is rounded.
+Other types are decoded to the model's dtype as they load (pass `quant=` to quantize them again into a
+dgemma format instead: the tensors are read one at a time either way). Writing uses `gguf`'s writer and
+its quantizers (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
+from .quant import QuantSpec
+
+ARCH = "diffusion-gemma"
+_LAYER = {  # GGUF blk.N.<name> -> dgemma layers.N.<name>
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "layer_output_scale.weight": "layer_scalar",
+    "enc_layer_output_scale.weight": "encoder_layer_scalar",
+}
+_GLOBAL = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "self_cond_pre_norm.weight": "self_conditioning.pre_norm.weight",
+    "self_cond_norm.weight": "self_conditioning.pre_norm.weight",  # PR #24427's name
+    "self_cond_gate.weight": "self_conditioning.gate_proj.weight",
+    "self_cond_up.weight": "self_conditioning.up_proj.weight",
+    "self_cond_down.weight": "self_conditioning.down_proj.weight",
+}
+_SAMPLER = {  # diffusion.<key> -> generation_config.json
+    "eb_max_steps": "max_denoising_steps",
+    "eb_t_min": "t_min",
+    "eb_t_max": "t_max",
+    "eb_entropy_bound": "entropy_bound",
+    "eb_stability_threshold": "stability_threshold",
+    "eb_confidence_threshold": "confidence_threshold",
+}
+KEPT = {"Q8_0": QuantSpec("int8", 32), "Q4_0": QuantSpec("int4", 32, "symmetric")}
+WRITABLE = ("bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def gguf_path(path: str | os.PathLike) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf in a directory without weights."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        files = sorted(p.glob("*.gguf"))
+        if len(files) == 1:
+            return files[0]
+        if len(files) > 1:
+            raise ValueError(f"{p} holds {len(files)} GGUF files; pass the one to load")
+    return None
+
+
+def _reader(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError / struct errors on a corrupt header
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    """A metadata value; float32 ones as the shortest decimal that float32 gives back (1e-06, not
+    9.99999997e-07), which is what the writer meant."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return float(str(np.float32(value))) if field.types[0].name == "FLOAT32" else value
+
+
+def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
+    """The model and sampler configuration a GGUF file's metadata describes."""
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in (ARCH, "diffusion-gemma4"):
+        raise ValueError(f"{path} is a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
+
+    def get(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: the metadata key {arch}.{key} is missing")
+        return value
+
+    layers = int(get("block_count"))
+    sliding = get("attention.sliding_window_pattern", [(i + 1) % 6 != 0 for i in range(layers)])
+    layer_types = [SLIDING if s else FULL for s in sliding]
+    kv = get("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    kv_sliding = {k for k, t in zip(kv, layer_types, strict=True) if t == SLIDING} or {kv[0]}
+    kv_full = {k for k, t in zip(kv, layer_types, strict=True) if t == FULL}
+    tensors = {t.name: t for t in reader.tensors}
+    embed = tensors["token_embd.weight"]
+    text = TextConfig(
+        vocab_size=int(embed.shape[1]),  # GGML order: [hidden, vocab]
+        hidden_size=int(get("embedding_length")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=int(get("attention.head_count")),
+        num_key_value_heads=int(kv_sliding.pop()),
+        num_global_key_value_heads=int(kv_full.pop()) if kv_full else None,
+        head_dim=int(get("attention.key_length_swa")),
+        global_head_dim=int(get("attention.key_length")),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=layer_types,
+        rope_parameters=_rope(reader, get, tensors),
+        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        num_experts=_field(reader, f"{arch}.expert_count") or None,
+        top_k_experts=_field(reader, f"{arch}.expert_used_count") or None,
+        moe_intermediate_size=_field(reader, f"{arch}.expert_feed_forward_length") or None,
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+    canvas = _field(reader, "diffusion.canvas_length")
+    if not canvas:
+        raise ValueError(f"{path}: diffusion.canvas_length is missing; is this a DiffusionGemma GGUF?")
+    config = DiffusionGemmaConfig(
+        text_config=text, canvas_length=int(canvas), boi_token_id=None, eoi_token_id=None, image_token_id=None
+    )
+    sampler = {ours: _field(reader, f"diffusion.{key}") for key, ours in _SAMPLER.items()}
+    generation = GenerationConfig.from_dict({k: v for k, v in sampler.items() if v is not None}, str(path))
+    return config, generation
+
+
+def _rope(reader, get, tensors) -> dict:
+    """Sliding layers: default RoPE at rope.freq_base_swa; full layers: proportional RoPE whose rotated
+    share is the count of finite entries of rope_freqs (the rest are 1e30: not rotated)."""
+    factor = 1.0
+    if "rope_freqs.weight" in tensors:
+        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32)
+        factor = float((freqs < 1e29).sum()) / len(freqs)
+    return {
+        SLIDING: {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa"))},
+        FULL: {
+            "rope_type": "proportional",
+            "partial_rotary_factor": factor,
+            "rope_theta": float(get("rope.freq_base")),
+        },
+    }
+
+
+def _ours(name: str) -> str | None:
+    """dgemma's parameter name of a GGUF tensor (None: not one, e.g. rope_freqs)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER:
+        return f"layers.{parts[1]}.{_LAYER[parts[2]]}"
+    return None
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(t.shape))  # GGML lists ne0 (the input dimension) first
+
+
+def _to_torch(t) -> torch.Tensor:
+    """A tensor's values: typed ones as stored (BF16 arrives as bytes), the rest decoded by gguf to fp32."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type
+    if kind in (T.F32, T.F16):
+        return torch.from_numpy(np.array(t.data)).reshape(_shape(t))
+    if kind == T.BF16:
+        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(_shape(t))
+    return torch.from_numpy(dequantize(t.data, kind)).reshape(_shape(t))
+
+
+def _kept(t) -> dict[str, torch.Tensor]:
+    """A Q8_0 / Q4_0 tensor as dgemma's int8 / int4 buffers ("" codes, "_scale" fp16 per 32)."""
+    *lead, n_in = _shape(t)
+    blocks = torch.from_numpy(np.array(t.data)).reshape(*lead, n_in // 32, -1)
+    scale = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    if t.tensor_type.name == "Q8_0":
+        return {"": blocks[..., 2:].contiguous().view(torch.int8).reshape(*lead, n_in), "_scale": scale}
+    qs = blocks[..., 2:]  # element i < 16 in the low nibble of byte i, element i + 16 in its high nibble
+    nibbles = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(*lead, n_in)
+    return {"": nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), "_scale": scale}
+
+
+class GGUFSource:
+    """A GGUF file's tensors under the checkpoint names dgemma's loader reads (the interface of weights'
+    tensor source: names, shape, get, take), Q8_0 / Q4_0 weights of linear layers and experts as codes +
+    scales (`specs`: by checkpoint module name), everything else decoded."""
+
+    def __init__(self, path: Path, keep: set[str]):
+        import warnings
+
+        from .weights import hf_name
+
+        reader = _reader(path)
+        self.entries: dict[str, tuple] = {}  # checkpoint name -> (how to read, the GGUF tensor(s), suffix)
+        self.specs: dict[str, QuantSpec] = {}
+        self.unknown: list[str] = []
+        tensors = {t.name: t for t in reader.tensors}
+        split: dict[str, dict[str, object]] = {}
+        for name, t in tensors.items():
+            if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # split experts: fused below
+                split.setdefault(name.rsplit(".", 2)[0], {})[name.split(".")[-2]] = t
+                continue
+            ours = _ours(name)
+            if ours is None:
+                if name != "rope_freqs.weight":
+                    self.unknown.append(name)
+                continue
+            module = ours.removesuffix(".weight")
+            spec = KEPT.get(t.tensor_type.name)
+            if ".experts." in ours:
+                self.entries[hf_name(ours)] = ("value", t, "")  # decided per layer below
+            elif spec is not None and module in keep and _shape(t)[-1] % 32 == 0:
+                self.specs[hf_name(module)] = spec
+                self._add_kept(hf_name(ours), t, spec)
+            else:
+                self.entries[hf_name(ours)] = ("value", t, "")
+        self._keep_experts(tensors, keep)
+        for block, parts in split.items():
+            if set(parts) != {"ffn_gate_exps", "ffn_up_exps"}:
+                raise ValueError(f"{path}: {block} has {sorted(parts)} but needs both ffn_gate_exps and ffn_up_exps")
+            self.entries[hf_name(f"layers.{block.split('.')[1]}.experts.gate_up_proj")] = (
+                "fuse",
+                (parts["ffn_gate_exps"], parts["ffn_up_exps"]),
+                "",
+            )
+        self._scalars(path, warnings)
+
+    def _keep_experts(self, tensors: dict, keep: set[str]) -> None:
+        """A layer's experts stay quantized when both stacks are Q8_0 / Q4_0 (else they are decoded)."""
+        from .weights import hf_name
+
+        for name, t in tensors.items():
+            if not name.endswith("ffn_gate_up_exps.weight"):
+                continue
+            layer = name.split(".")[1]
+            down = tensors.get(f"blk.{layer}.ffn_down_exps.weight")
+            specs = (KEPT.get(t.tensor_type.name), KEPT.get(down.tensor_type.name) if down is not None else None)
+            if None in specs or f"layers.{layer}.experts" not in keep:
+                continue
+            self.specs[hf_name(f"layers.{layer}.experts")] = specs[0] if specs[0] == specs[1] else specs
+            for tensor, which in ((t, "gate_up_proj"), (down, "down_proj")):
+                ours = hf_name(f"layers.{layer}.experts.{which}")
+                del self.entries[ours]
+                self._add_kept(ours, tensor, KEPT[tensor.tensor_type.name])
+
+    def _add_kept(self, weight: str, t, spec: QuantSpec) -> None:
+        from .quant.modules import empty_buffers
+
+        with torch.device("meta"):
+            for suffix, b in empty_buffers(spec, _shape(t)).items():
+                self.entries[weight + suffix] = ("kept", t, suffix, tuple(b.shape))
+
+    def _scalars(self, path: Path, warnings) -> None:
+        """PR #24427 files carry one layer scalar: it serves the prompt pass too (reported)."""
+        from .weights import hf_name
+
+        missing = []
+        for name, entry in list(self.entries.items()):
+            if name.endswith(".layer_scalar") and name.startswith("model.decoder."):
+                layer = name.split(".")[3]
+                enc = hf_name(f"layers.{layer}.encoder_layer_scalar")
+                if enc not in self.entries:
+                    self.entries[enc] = entry
+                    missing.append(layer)
+        if missing:
+            warnings.warn(
+                f"{path}: no enc_layer_output_scale in {len(missing)} layers; their layer_output_scale serves "
+                "the prompt pass too (llama.cpp PR #24427's layout)",
+                stacklevel=4,
+            )
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        entry = self.entries[name]
+        if entry[0] == "kept":
+            return entry[3]
+        if entry[0] == "fuse":
+            gate = _shape(entry[1][0])
+            return (*gate[:-2], 2 * gate[-2], gate[-1])
+        return _shape(entry[1])
+
+    def dtype(self, name: str) -> str:
+        return str(self.entries[name][1].tensor_type.name) if self.entries[name][0] != "fuse" else "F32"
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        if entry[0] == "kept":
+            return _kept(entry[1])[entry[2]]
+        if entry[0] == "fuse":
+            return torch.cat([_to_torch(t).float() for t in entry[1]], dim=-2)
+        return _to_torch(entry[1])
+
+    take = get
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _names_out(model) -> dict[str, str]:
+    """dgemma parameter name -> GGUF tensor name."""
+    out = {v: k for k, v in _GLOBAL.items() if k != "self_cond_norm.weight"}
+    for i in range(model.text_config.num_hidden_layers):
+        out |= {f"layers.{i}.{ours}": f"blk.{i}.{name}" for name, ours in _LAYER.items()}
+    return out
+
+
+def _metadata(writer, model, generation: GenerationConfig | None) -> None:
+    text, a = model.text_config, ARCH
+    layers = text.layers
+    writer.add_uint32(f"{a}.block_count", text.num_hidden_layers)
+    writer.add_uint32(f"{a}.context_length", text.max_position_embeddings)
+    writer.add_uint32(f"{a}.embedding_length", text.hidden_size)
+    writer.add_uint32(f"{a}.feed_forward_length", text.intermediate_size)
+    writer.add_uint32(f"{a}.attention.head_count", text.num_attention_heads)
+    writer.add_array(f"{a}.attention.head_count_kv", [spec.num_key_value_heads for spec in layers])
+    writer.add_uint32(f"{a}.attention.key_length", text.global_head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", text.global_head_dim)
+    writer.add_uint32(f"{a}.attention.key_length_swa", text.head_dim)
+    writer.add_uint32(f"{a}.attention.value_length_swa", text.head_dim)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", text.rms_norm_eps)
+    writer.add_uint32(f"{a}.attention.sliding_window", text.sliding_window)
+    writer.add_array(f"{a}.attention.sliding_window_pattern", [spec.is_sliding for spec in layers])
+    writer.add_float32(f"{a}.rope.freq_base", float(text.rope_parameters[FULL]["rope_theta"]))
+    writer.add_float32(f"{a}.rope.freq_base_swa", float(text.rope_parameters[SLIDING]["rope_theta"]))
+    writer.add_uint32(f"{a}.rope.dimension_count", text.global_head_dim)
+    writer.add_uint32(f"{a}.rope.dimension_count_swa", text.head_dim)
+    if text.final_logit_softcapping:
+        writer.add_float32(f"{a}.final_logit_softcapping", float(text.final_logit_softcapping))
+    if text.has_experts:
+        writer.add_uint32(f"{a}.expert_count", text.num_experts)
+        writer.add_uint32(f"{a}.expert_used_count", text.top_k_experts)
+        writer.add_uint32(f"{a}.expert_feed_forward_length", text.moe_intermediate_size)
+    writer.add_uint32(f"{a}.attention.shared_kv_layers", 0)
+    writer.add_bool(f"{a}.attention.causal", False)
+    writer.add_uint32("diffusion.canvas_length", model.config.canvas_length)
+    if generation is not None:
+        for key, ours in _SAMPLER.items():
+            value = getattr(generation, ours)
+            (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"diffusion.{key}", value)
+
+
+def _tokenizer_metadata(writer, tokenizer) -> None:
+    """The vocabulary as GGUF lists it, plus the exact tokenizers JSON and the chat template."""
+    import json
+
+    from gguf import TokenType
+
+    hf = json.loads(tokenizer.to_json())
+    vocab = tokenizer.vocab()
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    special = {t["content"] for t in hf.get("added_tokens", []) if t.get("special")}
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list([t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    merges = hf.get("model", {}).get("merges") or []
+    if merges:
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for key, setter in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("pad", writer.add_pad_token_id),
+    ):
+        token_id = getattr(tokenizer, f"{key}_token_id")
+        if token_id is not None:
+            setter(token_id)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.add_string("tokenizer.huggingface.json", tokenizer.to_json())
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def write(model, path: str | os.PathLike, qtype: str = "bf16", tokenizer=None) -> Path:
+    """Write a full-precision dgemma model as a DiffusionGemma GGUF (PR #24423's layout): the weight
+    matrices in `qtype` (one of WRITABLE, by gguf's quantizers; a matrix whose rows do not divide into
+    the type's blocks falls back to Q8_0, then F16, as llama.cpp does), norms, scalars and the router in
+    F32, the tokenizer and chat template in the metadata when given."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    from .quant import QuantExperts, QuantLinear
+
+    if qtype not in WRITABLE:
+        raise ValueError(f"GGUF type {qtype!r} is not written by dgemma; choose one of {', '.join(WRITABLE)}")
+    if any(isinstance(m, QuantLinear | QuantExperts) for m in model.modules()):
+        raise ValueError("GGUF is written from full-precision weights; load the checkpoint without --quant")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(out), arch=ARCH)
+    _metadata(writer, model, getattr(model, "generation_config", None))
+    if tokenizer is not None:
+        _tokenizer_metadata(writer, tokenizer)
+    names = _names_out(model)
+    target = T[qtype.upper()]
+    rope, n = model.text_config.rope_parameters[FULL], model.text_config.global_head_dim // 2
+    rotated = round(float(rope.get("partial_rotary_factor", 1.0)) * n)  # the rest: 1e30, not rotated
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (n - rotated), dtype=np.float32))
+    for ours, tensor in model.state_dict().items():
+        if ours not in names:
+            raise ValueError(f"{ours} has no name in DiffusionGemma's GGUF layout (a vision tower is not written)")
+        values = tensor.detach().float().cpu().numpy()
+        if tensor.dim() < 2 or ".router." in ours:  # norms, scalars, the router: F32, as llama.cpp keeps them
+            writer.add_tensor(names[ours], values.astype(np.float32))
+            continue
+        kind = next(k for k in (target, T.Q8_0, T.F16) if values.shape[-1] % GGML_QUANT_SIZES[k][0] == 0)
+        data = quantize(values, kind)
+        writer.add_tensor(names[ours], data, raw_dtype=None if kind == T.F16 else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
