@@ -549,7 +549,7 @@ def main_from_disk(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quant", default="int4", choices=["int4", "int8", "fp8"])
+    ap.add_argument("--quant", default="int4", choices=["int4", "int8", "fp8", "nvfp4"])
     ap.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens encoded before the canvas")
     ap.add_argument(

@@ -1,4 +1,9 @@
-"""How much weight-only quantization changes a model: int8, int4 and fp8 against full precision.
+"""How much weight-only quantization changes a model: each mode and file format against full precision.
+
+Modes: dgemma's own int8, int4, fp8 and nvfp4 (quantized while loading); `ct-*`, a round trip through a
+compressed-tensors checkpoint (quantized, written with --format compressed-tensors, loaded back: what
+vLLM would serve; int4 there is W4A16, q * scale); `gguf-*`, a round trip through a GGUF file of that type
+(written from the fp32 model by gguf's quantizers, loaded back).
 
 1. The `small` preset with random weights (73M parameters): per-position KL(full || quantized) of the
    denoising logits and argmax agreement, on random prompts and half-noised canvases.
@@ -7,7 +12,7 @@
 3. The shipped code model: the logit measures on validation canvases, and held-out infilling (exact
    match and parse rate of the reassembled file, the spans of benchmarks/code_eval.py, given length).
 
-    python benchmarks/quant_quality.py [--puzzles 1000] [--spans 20] [--modes int8 int4 fp8]
+    python benchmarks/quant_quality.py [--puzzles 1000] [--spans 20] [--modes int8 int4 fp8 nvfp4 ...]
 
 Needs the data of recipes/sudoku_data.py and recipes/code_data.py for parts 2 and 3 (skipped without).
 Prints a table and ends with one JSON line.
@@ -19,6 +24,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.quant import quantize_model
+from dgemma.gguf_file import write as write_gguf
+from dgemma.quant import QuantSpec, quantize_model
 from dgemma.tasks import code, sudoku
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +66,35 @@ def random_cases(vocab: int, canvas: int, n: int, rng: random.Random) -> list[tu
     ]
 
 
+CT = {
+    "ct-fp8": QuantSpec.of("fp8"),
+    "ct-int4": QuantSpec.of("int4", 32, "symmetric"),
+    "ct-nvfp4": QuantSpec.of("nvfp4"),
+}
+MODES = ["int8", "int4", "fp8", "nvfp4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0"]
+
+
 def load_mode(path: Path, mode: str):
-    return dgemma.load(path) if mode == "fp32" else dgemma.load(path, quant=mode)
+    """The model at `path` as `mode` gives it (see the module docstring)."""
+    if mode == "fp32":
+        return dgemma.load(path)
+    if mode in CT:
+        with tempfile.TemporaryDirectory() as tmp:
+            dgemma.save(dgemma.load(path, quant=CT[mode]), tmp, format="compressed-tensors")
+            return dgemma.load(tmp)
+    if mode.startswith("gguf-"):
+        with tempfile.TemporaryDirectory() as tmp:
+            return dgemma.load(write_gguf(dgemma.load(path), Path(tmp) / "m.gguf", mode.removeprefix("gguf-")))
+    return dgemma.load(path, quant=mode)
+
+
+def quantize_random(config, mode: str):
+    """The random `small` model in `mode` (file formats by a round trip through a checkpoint)."""
+    if mode not in CT and not mode.startswith("gguf-"):
+        return quantize_model(dgemma.build(config, seed=0), mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        dgemma.save(dgemma.build(config, seed=0), tmp)
+        return load_mode(Path(tmp), mode)
 
 
 def per_mode(name: str, path: Path, modes: list[str], cases, task) -> dict[str, dict]:
@@ -78,7 +112,7 @@ def per_mode(name: str, path: Path, modes: list[str], cases, task) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["int8", "int4", "fp8"])
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--puzzles", type=int, default=1000, help="held-out Sudoku puzzles (default 1000)")
     ap.add_argument("--spans", type=int, default=20, help="infilling spans per kind (default 20)")
     ap.add_argument("--canvases", type=int, default=32, help="canvases for the logit measures")
@@ -96,9 +130,7 @@ def main() -> None:
     full = denoise_logits(dgemma.build(config, seed=0), cases)
     rows["small (random)"] = {}
     for mode in args.modes:
-        rows["small (random)"][mode] = logit_gap(
-            full, denoise_logits(quantize_model(dgemma.build(config, seed=0), mode), cases)
-        )
+        rows["small (random)"][mode] = logit_gap(full, denoise_logits(quantize_random(config, mode), cases))
     print("small preset done", file=sys.stderr)
 
     # 2. the Sudoku model

@@ -46,10 +46,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         source = f"preset {args.preset}"
         generation = GenerationConfig()
     else:
+        from .gguf_file import gguf_path, read_config
+
         directory = args.model_option or args.directory
-        config = DiffusionGemmaConfig.from_file(directory)
         source = str(directory)
-        generation = GenerationConfig.from_file(directory)
+        gguf = gguf_path(directory)
+        if gguf is not None:  # the metadata only: no tensor is read
+            config, generation = read_config(gguf)
+        else:
+            config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
     info = _describe(config)
     info["generation_defaults"] = generation.to_dict()
     if args.json:

@@ -201,3 +201,13 @@ def _rewrite(src, dst, data: dict[str, np.ndarray], kinds: dict) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_info_reads_a_gguf_s_metadata(tmp_path, capsys):
+    from dgemma.cli import main
+
+    path = write(_model("q8_0"), tmp_path / "tiny.gguf", "q8_0")
+    assert main(["info", "-m", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters_total"] == dgemma.config.count_parameters(dgemma.preset("tiny"))["total"]
+    assert info["canvas_length"] == 8 and info["layers"] == "6 (5 sliding-window, 1 global)"

@@ -189,6 +189,10 @@ class QuantExperts(nn.Module):
     def quantized(self, name: str, e: int) -> Quantized:
         return _quantized(self, name, self.shapes[name][1:], e)
 
+    def quantized_stack(self, name: str) -> Quantized:
+        """The whole stack `name` (every expert) as one Quantized view."""
+        return _quantized(self, name, self.shapes[name])
+
     def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `e`'s dequantized weight `name`."""
         return dequantize(self.quantized(name, e), dtype)
