@@ -78,7 +78,6 @@ class Scheme:
     group_size: int | None
     symmetric: bool
     block: tuple[int, int] | None = None
-    static_inputs: bool = False
 
     def mode(self) -> str | None:
         """dgemma's mode that stores these weights as they are, or None (dequantized on load)."""
@@ -112,6 +111,14 @@ class Config:
 
     @classmethod
     def parse(cls, qc: dict) -> Config:
+        """The config of a config.json's `quantization_config`; a ValueError naming what is wrong."""
+        try:
+            return cls._parse(qc)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"quantization_config is not a compressed-tensors config dgemma can read: {e!r}") from e
+
+    @classmethod
+    def _parse(cls, qc: dict) -> Config:
         if qc.get("kv_cache_scheme"):
             raise ValueError("a quantized KV cache (kv_cache_scheme) is not supported by dgemma")
         if qc.get("quantization_status", "compressed") != "compressed":
@@ -131,7 +138,6 @@ class Config:
                 group_size=weights.get("group_size"),
                 symmetric=bool(weights.get("symmetric", True)),
                 block=tuple(block) if block else None,
-                static_inputs=bool(inputs) and inputs.get("dynamic") is False,
             )
             groups.append((list(group["targets"]), scheme))
         return cls(groups, list(qc.get("ignore") or []))
@@ -174,7 +180,7 @@ class Module:
             raise ValueError(f"{name}: compressed-tensors format {scheme.format!r} is not supported by dgemma")
         if mode == "nvfp4" and scheme.group_size != NVFP4_GROUP:
             raise ValueError(f"{name}: NVFP4 needs groups of {NVFP4_GROUP}, got {scheme.group_size}")
-        if scheme.format in ("pack-quantized",) and scheme.num_bits not in (4, 8):
+        if scheme.format == "pack-quantized" and scheme.num_bits not in (4, 8):
             raise ValueError(f"{name}: {scheme.num_bits}-bit pack-quantized weights are not supported")
         static = sorted(set(tensors) & ACTIVATION_PARAMS)
         if static and not (mode == "nvfp4" and static == ["input_global_scale"]):

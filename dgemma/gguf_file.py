@@ -19,6 +19,7 @@ its quantizers (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,8 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
     kv_sliding = {k for k, t in zip(kv, layer_types, strict=True) if t == SLIDING} or {kv[0]}
     kv_full = {k for k, t in zip(kv, layer_types, strict=True) if t == FULL}
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path} has no token_embd.weight tensor")
     embed = tensors["token_embd.weight"]
     text = TextConfig(
         vocab_size=int(embed.shape[1]),  # GGML order: [hidden, vocab]
@@ -227,8 +230,6 @@ class GGUFSource:
     scales (`specs`: by checkpoint module name), everything else decoded."""
 
     def __init__(self, path: Path, keep: set[str]):
-        import warnings
-
         from .weights import hf_name
 
         reader = _reader(path)
@@ -264,7 +265,7 @@ class GGUFSource:
                 (parts["ffn_gate_exps"], parts["ffn_up_exps"]),
                 "",
             )
-        self._scalars(path, warnings)
+        self._scalars(path)
 
     def _keep_experts(self, tensors: dict, keep: set[str]) -> None:
         """A layer's experts stay quantized when both stacks are Q8_0 / Q4_0 (else they are decoded)."""
@@ -291,7 +292,7 @@ class GGUFSource:
             for suffix, b in empty_buffers(spec, _shape(t)).items():
                 self.entries[weight + suffix] = ("kept", t, suffix, tuple(b.shape))
 
-    def _scalars(self, path: Path, warnings) -> None:
+    def _scalars(self, path: Path) -> None:
         """PR #24427 files carry one layer scalar: it serves the prompt pass too (reported)."""
         from .weights import hf_name
 
@@ -376,6 +377,12 @@ def _metadata(writer, model, generation: GenerationConfig | None) -> None:
         writer.add_uint32(f"{a}.expert_feed_forward_length", text.moe_intermediate_size)
     writer.add_uint32(f"{a}.attention.shared_kv_layers", 0)
     writer.add_bool(f"{a}.attention.causal", False)
+    eos = text.eos_token_ids[0] if text.eos_token_ids else None  # GGUF has one; the first is the model's own
+    for token_id, setter in ((text.bos_token_id, writer.add_bos_token_id), (eos, writer.add_eos_token_id)):
+        if token_id is not None:
+            setter(token_id)
+    if text.pad_token_id is not None:
+        writer.add_pad_token_id(text.pad_token_id)
     writer.add_uint32("diffusion.canvas_length", model.config.canvas_length)
     if generation is not None:
         for key, ours in _SAMPLER.items():
@@ -402,14 +409,6 @@ def _tokenizer_metadata(writer, tokenizer) -> None:
     merges = hf.get("model", {}).get("merges") or []
     if merges:
         writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    for key, setter in (
-        ("bos", writer.add_bos_token_id),
-        ("eos", writer.add_eos_token_id),
-        ("pad", writer.add_pad_token_id),
-    ):
-        token_id = getattr(tokenizer, f"{key}_token_id")
-        if token_id is not None:
-            setter(token_id)
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
     writer.add_string("tokenizer.huggingface.json", tokenizer.to_json())

@@ -403,3 +403,10 @@ def test_the_quantize_command_writes_what_vllm_serves(source, tmp_path, capsys):
     capsys.readouterr()
     assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "x"), "--format", "compressed-tensors"]) == 2
     assert "--quant" in capsys.readouterr().err
+
+
+def test_a_malformed_quantization_config_is_a_clear_error(source, tmp_path):
+    write_compressed(source, tmp_path / "ct", "fp8_dynamic")
+    _edit(tmp_path / "ct", config=lambda qc: qc["config_groups"]["group_0"]["weights"].pop("type"))
+    with pytest.raises(ValueError, match="quantization_config"):
+        dgemma.load(tmp_path / "ct")

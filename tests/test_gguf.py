@@ -211,3 +211,22 @@ def test_info_reads_a_gguf_s_metadata(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["parameters_total"] == dgemma.config.count_parameters(dgemma.preset("tiny"))["total"]
     assert info["canvas_length"] == 8 and info["layers"] == "6 (5 sliding-window, 1 global)"
+
+
+def test_bad_gguf_files_are_clear_errors(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        dgemma.load(tmp_path / "junk.gguf")
+    other = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), arch="llama")
+    other.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    with pytest.raises(ValueError, match="not DiffusionGemma"):
+        dgemma.load(tmp_path / "llama.gguf")
+    path = write(_model("bf16"), tmp_path / "cut.gguf", "bf16")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a truncated download
+    with pytest.raises(ValueError):
+        dgemma.load(path)
