@@ -252,10 +252,13 @@ class Module:
             q = _unpack_bytes(words, n_in, 8).float() - 128 if s.num_bits == 8 else _unpack_nibbles(words, n_in) - 8.0
         else:
             q = self._get("weight").float()
-        if "weight_zero_point" in self.tensors:
+        if "weight_zero_point" in self.tensors:  # packed (int32) along the output dimension, offset like q
             zp = self._get("weight_zero_point")
-            zp = _unpack_nibbles(zp.t(), n_out).t() - 8.0 if zp.dtype == torch.int32 else zp.float()
-            q = q - _spread(zp, n_out, n_in, s)
+            if zp.dtype == torch.int32 and s.num_bits == 8:
+                zp = _unpack_bytes(zp.t(), n_out, 8).t().float() - 128
+            elif zp.dtype == torch.int32:
+                zp = _unpack_nibbles(zp.t(), n_out).t() - 8.0
+            q = q - _spread(zp.float(), n_out, n_in, s)
         return (q * _spread(scale.float(), n_out, n_in, s)).to(scale.dtype)
 
 
