@@ -352,23 +352,27 @@ def _names_out(model) -> dict[str, str]:
 def _metadata(writer, model, generation: GenerationConfig | None) -> None:
     text, a = model.text_config, ARCH
     layers = text.layers
-    writer.add_uint32(f"{a}.block_count", text.num_hidden_layers)
-    writer.add_uint32(f"{a}.context_length", text.max_position_embeddings)
-    writer.add_uint32(f"{a}.embedding_length", text.hidden_size)
-    writer.add_uint32(f"{a}.feed_forward_length", text.intermediate_size)
-    writer.add_uint32(f"{a}.attention.head_count", text.num_attention_heads)
+    uint32 = {
+        "block_count": text.num_hidden_layers,
+        "context_length": text.max_position_embeddings,
+        "embedding_length": text.hidden_size,
+        "feed_forward_length": text.intermediate_size,
+        "attention.head_count": text.num_attention_heads,
+        "attention.key_length": text.global_head_dim,
+        "attention.value_length": text.global_head_dim,
+        "attention.key_length_swa": text.head_dim,
+        "attention.value_length_swa": text.head_dim,
+        "attention.sliding_window": text.sliding_window,
+        "rope.dimension_count": text.global_head_dim,
+        "rope.dimension_count_swa": text.head_dim,
+    }
+    for key, value in uint32.items():
+        writer.add_uint32(f"{a}.{key}", value)
     writer.add_array(f"{a}.attention.head_count_kv", [spec.num_key_value_heads for spec in layers])
-    writer.add_uint32(f"{a}.attention.key_length", text.global_head_dim)
-    writer.add_uint32(f"{a}.attention.value_length", text.global_head_dim)
-    writer.add_uint32(f"{a}.attention.key_length_swa", text.head_dim)
-    writer.add_uint32(f"{a}.attention.value_length_swa", text.head_dim)
-    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", text.rms_norm_eps)
-    writer.add_uint32(f"{a}.attention.sliding_window", text.sliding_window)
     writer.add_array(f"{a}.attention.sliding_window_pattern", [spec.is_sliding for spec in layers])
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", text.rms_norm_eps)
     writer.add_float32(f"{a}.rope.freq_base", float(text.rope_parameters[FULL]["rope_theta"]))
     writer.add_float32(f"{a}.rope.freq_base_swa", float(text.rope_parameters[SLIDING]["rope_theta"]))
-    writer.add_uint32(f"{a}.rope.dimension_count", text.global_head_dim)
-    writer.add_uint32(f"{a}.rope.dimension_count_swa", text.head_dim)
     if text.final_logit_softcapping:
         writer.add_float32(f"{a}.final_logit_softcapping", float(text.final_logit_softcapping))
     if text.has_experts:
