@@ -211,15 +211,7 @@ def load(
     reads both copies). With `progress`, a one-line progress report goes to stderr.
     """
     directory = Path(path)
-    gguf = gguf_path(directory)
-    if gguf is not None:
-        config, generation = read_gguf_config(gguf)
-    else:
-        files = _weight_files(directory)
-        config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
-    with torch.device("meta"):
-        keep = {n for n, m in DiffusionGemma(config).named_modules() if type(m) is nn.Linear or isinstance(m, Experts)}
-    source, stored = (GGUFSource(gguf, keep), None) if gguf is not None else _open(directory, files, config)
+    config, generation, source, stored = _open(directory)
     primary, tied, vision, unknown = _map_names(source.names())
     unknown += getattr(source, "unknown", [])
     if config.vision_config is not None and not vision:
@@ -234,7 +226,7 @@ def load(
     specs = _stored_specs(model, stored, source)
     spec = quant if isinstance(quant, QuantSpec) or quant is None else QuantSpec.of(quant, group_size)
     if specs and spec:
-        as_stored = stored["mode"] if stored else "compressed-tensors"
+        as_stored = stored["mode"] if stored else "gguf" if isinstance(source, GGUFSource) else "compressed-tensors"
         if spec.mode != as_stored:
             raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {spec.mode}")
         spec = None
@@ -269,14 +261,23 @@ def load(
     return model
 
 
-def _open(directory: Path, files: list[Path], config: DiffusionGemmaConfig):
-    """The checkpoint's tensor source (compressed-tensors files seen through CompressedSource) and its
-    dgemma `quantization` block, if any."""
-    source = _TensorSource(files)
+def _open(directory: Path):
+    """A checkpoint's config, generation config, tensor source (a GGUF file through GGUFSource,
+    compressed-tensors files through CompressedSource) and dgemma `quantization` block, if any."""
+    gguf = gguf_path(directory)
+    if gguf is not None:
+        config, generation = read_gguf_config(gguf)
+        with torch.device("meta"):  # the modules that may keep Q8_0 / Q4_0 weights as they are
+            modules = DiffusionGemma(config).named_modules()
+            keep = {n for n, m in modules if type(m) is nn.Linear or isinstance(m, Experts)}
+        return config, generation, GGUFSource(gguf, keep), None
+    source = _TensorSource(_weight_files(directory))
+    config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
     raw = json.loads((directory / "config.json").read_text())
     if is_compressed_tensors(raw):
-        return CompressedSource(source, raw["quantization_config"], config.text_config.num_experts or 0), None
-    return source, _stored_quantization(directory)
+        experts = config.text_config.num_experts or 0
+        return config, generation, CompressedSource(source, raw["quantization_config"], experts), None
+    return config, generation, source, _stored_quantization(directory)
 
 
 def _stored_specs(model: DiffusionGemma, stored: dict | None, source) -> dict[str, Spec]:
