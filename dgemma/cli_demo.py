@@ -4,7 +4,7 @@
 2. infilling: the middle of a small function, written with both sides in view;
 3. editing: one span of a function rewritten, everything else kept;
 4. a Sudoku solved by the Sudoku model, the grid filling in;
-5. a picture described by the small vision-language model: the colour of a shape it has not seen;
+5. a picture described by the small vision-language model: the colour and shape of a scene it has not seen;
 then the statistics of each part (denoising steps, tokens per forward, tokens/s).
 
 In a terminal the canvases redraw in place (rich); when the output is not a terminal the demo prints
@@ -189,16 +189,23 @@ def _image_part(screen: Screen, seed: int) -> Part:
     from .tokenizer import Tokenizer
     from .weights import load
 
-    screen.title("5. An image: the small vision-language model names a colour")
+    screen.title("5. An image: the small vision-language model names its colour and shape")
     model, tok = load(SHAPES_MODEL_DIR), Tokenizer.from_dir(SHAPES_MODEL_DIR)
+    runner = accelerate(model)
     image, shape, colour = shapes.scene(shapes.SPLITS["test"][0] + seed)
-    screen.print(f"a held-out picture ({shapes.SIZE}x{shapes.SIZE}): a {colour} {shape}; {shapes.QUESTIONS['colour']}")
+    screen.print(f"a held-out picture ({shapes.SIZE}x{shapes.SIZE}): a {colour} {shape}")
     t0 = time.perf_counter()
-    said, result = shapes.ask(accelerate(model), tok, image, "colour", seed=seed)
-    seconds = time.perf_counter() - t0
-    screen.print(f"-> {said}" + ("" if said == colour else f" (the picture's colour is {colour})"))
-    s = result.stats
-    return Part("image", len(result.tokens[0]), sum(s.steps_per_canvas[0]), s.decoder_forward_passes[0], seconds)
+    tokens = steps = passes = 0
+    for kind, truth in (("colour", colour), ("shape", shape)):
+        said, result = shapes.ask(runner, tok, image, kind, seed=seed)
+        screen.print(f"{shapes.QUESTIONS[kind]} -> {said}" + ("" if said == truth else f" (the picture's is {truth})"))
+        s = result.stats
+        tokens, steps, passes = (
+            tokens + len(result.tokens[0]),
+            steps + sum(s.steps_per_canvas[0]),
+            passes + s.decoder_forward_passes[0],
+        )
+    return Part("image", tokens, steps, passes, time.perf_counter() - t0)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
