@@ -23,6 +23,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError("OUT must differ from DIR (the source checkpoint is never overwritten)")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
+    if out.is_file() and not args.force:
+        raise ValueError(f"{out} exists; pass --force to overwrite it")
     if args.quant is None and args.format != "gguf":
         raise ValueError("give --quant (int8, int4, fp8, nvfp4), or --format gguf with --gguf-type")
     spec = quant_spec(args)

@@ -112,6 +112,8 @@ def test_the_command_line_writes_and_reads_gguf(tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
     assert main([*args[:2], str(tmp_path / "x"), "--format", "gguf", "--quant", "int8"]) == 2
     assert "--gguf-type" in capsys.readouterr().err
+    assert main([*args[:2], str(path), "--format", "gguf"]) == 2  # an existing file is not overwritten
+    assert "--force" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------
