@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .quant import QuantSpec, Spec
-from .quant.formats import NVFP4_GROUP, Quantized, dequantize
+from .quant.formats import NVFP4_GROUP, Quantized, dequantize, pack_nibbles, unpack_nibbles
 from .quant.modules import empty_buffers
 
 QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape"}
@@ -167,7 +167,7 @@ def _matches(module: str, target: str) -> bool:
 def _unpack_bytes(words: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """int32 words packed with `bits`-bit elements along the last dimension -> uint8 [..., n * bits / 8]:
     for 4 bits the two nibbles of each byte are elements 2k (low) and 2k+1, as dgemma packs int4."""
-    return words.contiguous().view(torch.uint8)[..., : n * bits // 8]
+    return words.contiguous().view(torch.uint8)[..., : (n * bits + 7) // 8]
 
 
 class Module:
@@ -270,8 +270,7 @@ def decompressed_dtype(q: Quantized) -> torch.dtype:
 
 def _unpack_nibbles(words: torch.Tensor, n: int) -> torch.Tensor:
     """int32 words of 4-bit elements along the last dimension -> their unsigned values (0..15) as fp32."""
-    b = _unpack_bytes(words, n, 4)
-    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], -1)[..., :n].float()
+    return unpack_nibbles(_unpack_bytes(words, n, 4))[..., :n].float()
 
 
 def _spread(t: torch.Tensor, n_out: int, n_in: int, s: Scheme) -> torch.Tensor:
@@ -446,12 +445,6 @@ def _words(b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(b, (0, pad)).contiguous().view(torch.int32)
 
 
-def _nibble_bytes(nibbles: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 [..., n] -> two per byte, low nibble first [..., ceil(n / 2)]."""
-    n = torch.nn.functional.pad(nibbles, (0, nibbles.shape[-1] % 2))
-    return n[..., 0::2] | (n[..., 1::2] << 4)
-
-
 def compressed_tensors_of(q: Quantized) -> dict[str, torch.Tensor]:
     """One quantized weight [out, in] as compressed-tensors stores it, by local name."""
     n_out, n_in = q.shape
@@ -468,7 +461,7 @@ def compressed_tensors_of(q: Quantized) -> dict[str, torch.Tensor]:
         return {"weight_packed": q.codes, "weight_scale": q.scales, "weight_global_scale": g[:1].clone()}
     out = {"weight_packed": _words(q.codes), "weight_scale": q.scales} | shape
     if q.zero_point is not None:  # packed along the output dimension
-        out["weight_zero_point"] = _words(_nibble_bytes(q.zero_point.t().contiguous())).t().contiguous()
+        out["weight_zero_point"] = _words(pack_nibbles(q.zero_point.t().contiguous())).t().contiguous()
     return out
 
 

@@ -144,8 +144,7 @@ def _with_images(model: DiffusionGemma, prompt, tokenizer, pixels, images, budge
         raise ValueError("give images= or pixels=, not both")
     if not isinstance(prompt, str) or tokenizer is None:
         raise ValueError("images= goes with a text prompt (one image token per image) and tokenizer=")
-    if model.vision_tower is None:
-        raise ValueError("this checkpoint has no vision tower (config.json has no vision_config): text only")
+    model.check_vision()  # before reading and preprocessing the images
     return text_prompt(tokenizer, model.config, prompt, list(images), budget)
 
 

@@ -27,6 +27,7 @@ import torch
 
 from .config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
 from .quant import QuantSpec
+from .quant.formats import pack_nibbles
 
 ARCH = "diffusion-gemma"
 _LAYER = {  # GGUF blk.N.<name> -> dgemma layers.N.<name>
@@ -185,6 +186,32 @@ def _rope(reader, get, tensors) -> dict:
     }
 
 
+def read_tokenizer(path: Path):
+    """The tokenizer a GGUF file carries: its tokenizers JSON (`tokenizer.huggingface.json`, which dgemma
+    writes), special tokens by id and `tokenizer.chat_template`; without that JSON, the tokenizer.json
+    (and chat template) of the file's directory."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from .tokenizer import Tokenizer
+
+    reader = _reader(path)
+    source = _field(reader, "tokenizer.huggingface.json")
+    if source is None:
+        if (path.parent / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(path.parent)
+        raise ValueError(
+            f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that exact "
+            "form. Put the model's tokenizer.json (and chat template) beside the file"
+        )
+    tok = HFTokenizer.from_str(source)
+    special = {}
+    for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and tok.id_to_token(int(token_id)) is not None:
+            special[name] = tok.id_to_token(int(token_id))
+    return Tokenizer(tok, special, _field(reader, "tokenizer.chat_template"))
+
+
 def _ours(name: str) -> str | None:
     """dgemma's parameter name of a GGUF tensor (None: not one, e.g. rope_freqs)."""
     if name in _GLOBAL:
@@ -221,7 +248,7 @@ def _kept(t) -> dict[str, torch.Tensor]:
         return {"": blocks[..., 2:].contiguous().view(torch.int8).reshape(*lead, n_in), "_scale": scale}
     qs = blocks[..., 2:]  # element i < 16 in the low nibble of byte i, element i + 16 in its high nibble
     nibbles = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(*lead, n_in)
-    return {"": nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), "_scale": scale}
+    return {"": pack_nibbles(nibbles), "_scale": scale}
 
 
 class GGUFSource:

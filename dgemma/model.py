@@ -374,10 +374,14 @@ class DiffusionGemma(nn.Module):
         cache.commit(input_ids.shape[1])
         return EncodeOutput(hidden, self.lm_head(hidden) if return_logits else None)
 
-    def image_features(self, pixels) -> torch.Tensor:
-        """The soft tokens of images in the text embedding space [tokens, M] (vision.py)."""
+    def check_vision(self) -> None:
+        """Refuse images for a checkpoint without a vision tower."""
         if self.vision_tower is None:
             raise ValueError("this checkpoint has no vision tower (config.json has no vision_config): text only")
+
+    def image_features(self, pixels) -> torch.Tensor:
+        """The soft tokens of images in the text embedding space [tokens, M] (vision.py)."""
+        self.check_vision()
         pixels = pixels.to(self.device)
         return self.embed_vision(self.vision_tower(pixels.values.to(self.dtype), pixels.positions))
 

@@ -123,13 +123,12 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template from a checkpoint directory
         (a GGUF file, or a directory with one .gguf and no tokenizer.json: `from_gguf`)."""
+        from .gguf_file import gguf_path
+
         directory = Path(path)
-        if (directory.is_file() and directory.suffix == ".gguf") or (
-            directory.is_dir()
-            and not (directory / "tokenizer.json").is_file()
-            and len(list(directory.glob("*.gguf"))) == 1
-        ):
-            return cls.from_gguf(directory if directory.is_file() else next(directory.glob("*.gguf")))
+        gguf = gguf_path(directory) if not (directory / "tokenizer.json").is_file() else None
+        if gguf is not None:
+            return cls.from_gguf(gguf)
         tj = directory / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"{tj} not found: dgemma needs the tokenizer in tokenizers' JSON format")
@@ -182,34 +181,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """The tokenizer a GGUF file carries: its tokenizers JSON (`tokenizer.huggingface.json`, which
-        dgemma writes), special tokens by id, and `tokenizer.chat_template`."""
-        from gguf import GGUFReader
+        """The tokenizer of a GGUF file (dgemma.gguf_file.read_tokenizer)."""
+        from .gguf_file import read_tokenizer
 
-        reader = GGUFReader(path)
-
-        def field(key: str):
-            f = reader.fields.get(key)
-            return None if f is None else f.contents()
-
-        source = field("tokenizer.huggingface.json")
-        if source is None:
-            raise ValueError(
-                f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that "
-                "exact form. Put the model's tokenizer.json (and chat template) beside the file"
-            )
-        tok = _HFTokenizer.from_str(source)
-        special = {}
-        for key, name in (
-            ("bos", "bos_token"),
-            ("eos", "eos_token"),
-            ("padding", "pad_token"),
-            ("unknown", "unk_token"),
-        ):
-            token_id = field(f"tokenizer.ggml.{key}_token_id")
-            if token_id is not None and tok.id_to_token(int(token_id)) is not None:
-                special[name] = tok.id_to_token(int(token_id))
-        return cls(tok, special, field("tokenizer.chat_template"))
+        return read_tokenizer(Path(path))
 
     # -- ids --------------------------------------------------------------------------------------------
     @property

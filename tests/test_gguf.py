@@ -232,3 +232,13 @@ def test_bad_gguf_files_are_clear_errors(tmp_path):
     path.write_bytes(data[: len(data) // 2])  # a truncated download
     with pytest.raises(ValueError):
         dgemma.load(path)
+
+
+def test_a_gguf_without_its_tokenizer_json_reads_the_one_beside_it(tmp_path):
+    tok = make_tokenizer(512)
+    path = write(_model("q8_0"), tmp_path / "tiny.gguf", "q8_0")  # no tokenizer in the file
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        dgemma.Tokenizer.from_dir(path)
+    tok.save(tmp_path)
+    for where in (path, tmp_path):
+        assert dgemma.Tokenizer.from_dir(where).encode("def f(x):") == tok.encode("def f(x):")

@@ -156,8 +156,7 @@ def quantize_nvfp4(w: torch.Tensor) -> Quantized:
     index = (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
     codes = (index | (torch.signbit(x).to(torch.uint8) << 3)).reshape(shape)
     global_scale = g.expand(*shape[:lead], shape[-2], 1).contiguous()
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    q = Quantized("nvfp4", packed, scales.squeeze(-1).to(torch.float8_e4m3fn), shape, NVFP4_GROUP)
+    q = Quantized("nvfp4", pack_nibbles(codes), scales.squeeze(-1).to(torch.float8_e4m3fn), shape, NVFP4_GROUP)
     q.global_scale = global_scale
     return q
 
@@ -174,17 +173,27 @@ def quantized_buffers(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tenso
     return {k: v[0] if w.dim() == 2 else torch.stack(v) for k, v in out.items()}
 
 
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [..., n] -> two per byte, element 2k in the low nibble [..., ceil(n / 2)] (an odd
+    last element pairs with a zero): the byte layout of dgemma's int4 and NVFP4 codes."""
+    v = F.pad(values, (0, values.shape[-1] % 2))
+    return v[..., 0::2] | (v[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: uint8 [..., m] -> the nibbles' values 0..15, uint8 [..., 2m]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes in [-8, 7] (any int dtype, even last dimension) -> uint8, two per byte, low nibble first,
     each stored offset by 8 (0..15), so reading one back is `nibble - 8` with no sign handling."""
-    u = (codes.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+    return pack_nibbles((codes.to(torch.int16) + 8).to(torch.uint8))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_int4: uint8 [..., n/2] -> int8 codes in [-8, 7], [..., n]."""
-    both = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return both.to(torch.int8) - 8
+    return unpack_nibbles(packed).to(torch.int8) - 8
 
 
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -195,8 +204,7 @@ def _byte_table(kind: str, device: torch.device) -> torch.Tensor:
     """byte -> the values of its (low, high) nibbles, fp32 [256, 2]: int4 codes read as `kind` (ZEROS;
     "asymmetric" gives the bare nibble, the zero point is subtracted per group), or "e2m1"."""
     if (kind, device) not in _TABLES:
-        n = torch.arange(256, device=device)
-        n = torch.stack((n & 0xF, n >> 4), dim=-1)
+        n = unpack_nibbles(torch.arange(256, dtype=torch.uint8, device=device)).view(256, 2).long()
         if kind == "e2m1":
             values = torch.tensor(E2M1, device=device)[n & 7] * torch.where(n >= 8, -1.0, 1.0)
         else:
