@@ -105,18 +105,19 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 def add_format_arg(p: argparse.ArgumentParser) -> None:
     """--format and --gguf-type: the checkpoint layout a command writes."""
     from .gguf_file import WRITABLE
+    from .weights import FORMATS
 
     p.add_argument(
         "--format",
         default="dgemma",
-        choices=["dgemma", "compressed-tensors", "gguf"],
+        choices=[*FORMATS, "gguf"],
         help="dgemma: transformers' layout, quantized weights as dgemma stores them (default); "
         "compressed-tensors: what vLLM serves (needs --quant; int4 is then written as W4A16, q * scale); "
         "gguf: llama.cpp's DiffusionGemma layout, one .gguf file (from full-precision weights: --gguf-type)",
     )
     p.add_argument(
         "--gguf-type",
-        default="bf16",
+        default=None,
         choices=list(WRITABLE),
         help="--format gguf: the weight matrices' GGUF type (default bf16; norms and the router stay F32)",
     )
@@ -127,6 +128,8 @@ def quant_spec(args: argparse.Namespace):
     from .quant import QuantSpec
 
     fmt = getattr(args, "format", "dgemma")
+    if getattr(args, "gguf_type", None) and fmt != "gguf":
+        raise ValueError("--gguf-type is for --format gguf")
     if args.quant is None:
         if fmt == "compressed-tensors":
             raise ValueError("--format compressed-tensors writes quantized weights: give --quant")
@@ -150,9 +153,10 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -
     if args.format == "gguf":
         from .gguf_file import write
 
-        path = out if out.suffix == ".gguf" else out / f"{source.name}-{args.gguf_type}.gguf"
+        kind = args.gguf_type or "bf16"
+        path = out if out.suffix == ".gguf" else out / f"{source.name}-{kind}.gguf"
         tokenizer = Tokenizer.from_dir(source) if (source / "tokenizer.json").is_file() else None
-        return [write(model, path, args.gguf_type, tokenizer=tokenizer)]
+        return [write(model, path, kind, tokenizer=tokenizer)]
     save(model, out, format=args.format)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

@@ -32,7 +32,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     written = write_checkpoint(model, out, args, src)
     before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     after = sum(f.stat().st_size for f in written)
-    kind = args.gguf_type if args.format == "gguf" else args.quant
+    kind = (args.gguf_type or "bf16") if args.format == "gguf" else args.quant
     if args.json:
         report = {"out": str(out), "quant": kind, "format": args.format, "bytes": after, "source_bytes": before}
         print(json.dumps(report | {"files": [str(f) for f in written]}))

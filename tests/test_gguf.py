@@ -114,6 +114,8 @@ def test_the_command_line_writes_and_reads_gguf(tmp_path, capsys):
     assert "--gguf-type" in capsys.readouterr().err
     assert main([*args[:2], str(path), "--format", "gguf"]) == 2  # an existing file is not overwritten
     assert "--force" in capsys.readouterr().err
+    assert main([*args[:2], str(tmp_path / "y"), "--quant", "int8", "--gguf-type", "q8_0"]) == 2  # not ignored
+    assert "--format gguf" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------
