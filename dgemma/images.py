@@ -10,7 +10,8 @@
 
 This is what transformers' `Gemma4ImageProcessorPil` computes, value for value (tests/test_images.py).
 Its torchvision backend resizes with another bicubic kernel (and rescales in float32), so its pixels differ
-from these by up to 2 levels on CPU (benchmarks/resize_backends.py measures it). `budget` is the most soft tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
+from these by up to 2 levels on CPU (benchmarks/resize_backends.py measures it). `budget` is the most soft
+tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
 """
 
 from __future__ import annotations
