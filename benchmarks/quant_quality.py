@@ -3,7 +3,8 @@
 Modes: dgemma's own int8, int4, fp8 and nvfp4 (quantized while loading); `ct-*`, a round trip through a
 compressed-tensors checkpoint (quantized, written with --format compressed-tensors, loaded back: what
 vLLM would serve; int4 there is W4A16, q * scale); `gguf-*`, a round trip through a GGUF file of that type
-(written from the fp32 model by gguf's quantizers, loaded back).
+(written from the fp32 model by gguf's quantizers, loaded back); `nvfp4-w4a4`, nvfp4 weights with the
+activations quantized to NVFP4 too, as the native FP4 kernel runs on Blackwell (emulated here).
 
 1. The `small` preset with random weights (73M parameters): per-position KL(full || quantized) of the
    denoising logits and argmax agreement, on random prompts and half-noised canvases.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma.gguf_file import write as write_gguf
-from dgemma.quant import QuantSpec, quantize_model
+from dgemma.quant import QuantSpec, quantize_model, use_kernels
 from dgemma.tasks import code, sudoku
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +72,7 @@ CT = {
     "ct-int4": QuantSpec.of("int4", 32, "symmetric"),
     "ct-nvfp4": QuantSpec.of("nvfp4"),
 }
-MODES = ["int8", "int4", "fp8", "nvfp4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0"]
+MODES = ["int8", "int4", "fp8", "nvfp4", "nvfp4-w4a4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0"]
 
 
 def load_mode(path: Path, mode: str):
@@ -85,11 +86,15 @@ def load_mode(path: Path, mode: str):
     if mode.startswith("gguf-"):
         with tempfile.TemporaryDirectory() as tmp:
             return dgemma.load(write_gguf(dgemma.load(path), Path(tmp) / "m.gguf", mode.removeprefix("gguf-")))
+    if mode == "nvfp4-w4a4":
+        return use_kernels(dgemma.load(path, quant="nvfp4"), fp4=True)
     return dgemma.load(path, quant=mode)
 
 
 def quantize_random(config, mode: str):
     """The random `small` model in `mode` (file formats by a round trip through a checkpoint)."""
+    if mode == "nvfp4-w4a4":
+        return use_kernels(quantize_model(dgemma.build(config, seed=0), "nvfp4"), fp4=True)
     if mode not in CT and not mode.startswith("gguf-"):
         return quantize_model(dgemma.build(config, seed=0), mode)
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,8 @@ which:
   once per step, nothing waits for the device, and the step can be captured in a CUDA graph;
 - with `grouped`, quantized experts (int8, int4, fp8, nvfp4) are a `GroupedQuantExperts`: each stack
   dequantized whole, then the same grouped matmuls (no loop over experts on the host);
-- on CUDA, int8 / fp8 quantized modules use tensor-core matmuls (dgemma/quant/kernels.py).
+- on CUDA, int8 / fp8 quantized modules use tensor-core matmuls, and nvfp4 ones FP4 matmuls (W4A4) on GPUs
+  that have them (Blackwell; dgemma/quant/kernels.py).
 
 `print(twin)` shows these modules. The twin is what a `dgemma.Runner` runs for fast-mode requests, compiled
 or replayed from CUDA graphs (dgemma/runner.py; `dgemma.accelerate(model)` makes that runner). The model itself

@@ -240,3 +240,77 @@ def test_kernels_switch_on_and_off_in_a_model(mode):
         torch.testing.assert_close(hidden(), weight_only, rtol=0, atol=0)
     assert not torch.equal(with_kernels, weight_only)  # activations are quantized too
     assert torch.isfinite(with_kernels).all()
+
+
+def test_nvfp4_kernel_operands_are_what_torchao_hands_the_fp4_matmul():
+    """The native NVFP4 kernel passes dgemma's codes and block scales to torch._scaled_mm unchanged
+    except for the scales' swizzle; torchao (the library of this kernel) is the oracle of both: its
+    to_blocked gives the same bytes, and its NVFP4Tensor reads dgemma's codes and scales as the same
+    values (with the global scale at 1 both compute e2m1 * scale in fp32: bit-equal)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+    from torchao.prototype.mx_formats.utils import to_blocked as torchao_blocked
+
+    from dgemma.quant.kernels import to_blocked
+
+    torch.manual_seed(0)
+    for rows, k in [(128, 64), (200, 48), (7, 16), (300, 2112)]:  # tiles full, ragged, smaller than one tile
+        q = quantize(torch.randn(rows, k) * torch.logspace(-2, 1, rows).unsqueeze(1), "nvfp4")
+        assert torch.equal(to_blocked(q.scales).view(torch.uint8), torchao_blocked(q.scales).view(torch.uint8))
+        theirs = NVFP4Tensor(q.codes, q.scales, 16, torch.float32).dequantize(torch.float32)
+        q.global_scale = torch.ones_like(q.global_scale)
+        torch.testing.assert_close(theirs, dequantize(q), rtol=0, atol=0)
+
+
+def test_nvfp4_w4a4_emulation_is_the_product_of_the_quantized_operands():
+    """Without a Blackwell GPU the W4A4 path runs emulated; it must be the exact product of the NVFP4
+    activations and weights (float64 check: fp32 accumulation over K adds at most K * u relative), and
+    within NVFP4's activation error of the W4A16 product (a 16-block's step is at most its max / 6 times
+    e4m3's rounding 1 + 2^-4: bounded by |x| summed per block times the weights)."""
+    from dgemma.quant.formats import quantize_nvfp4
+    from dgemma.quant.kernels import native_fp4, quantized_matmul
+
+    assert not native_fp4("cpu")
+    torch.manual_seed(0)
+    q = quantize(torch.randn(48, 64), "nvfp4")
+    x = torch.randn(3, 5, 64) * torch.logspace(-2, 1, 15).reshape(3, 5, 1)
+    y = quantized_matmul(x, q).double().reshape(15, -1)
+    x_hat, w = dequantize(quantize_nvfp4(x.reshape(15, 64))).double(), dequantize(q).double()
+    exact = x_hat @ w.T
+    assert ((y - exact).abs() <= 70 * 2.0**-24 * (x_hat.abs() @ w.abs().T)).all()
+    block_max = x.reshape(15, 4, 16).abs().amax(-1, keepdim=True).expand(-1, -1, 16).reshape(15, 64).double()
+    # half an e2m1 step is at most 1 (the step between 4 and 6) of scale max/6, and the block scale
+    # itself rounds up by up to 2^-4 in e4m3, so |x - x_hat| <= block_max / 6 * (1 + 2^-4)
+    bound = (block_max / 6 * (1 + 2.0**-4)) @ w.abs().T
+    assert ((y - x.reshape(15, 64).double() @ w.T).abs() <= bound * 1.001 + 1e-6).all()
+
+
+def test_nvfp4_kernel_switches_on_only_where_asked_or_native():
+    from dgemma.quant import use_kernels
+
+    model = quantize_model(dgemma.build(dgemma.preset("tiny"), seed=0), "nvfp4")
+    use_kernels(model)  # CPU: no native FP4, so nvfp4 stays weight-only
+    assert model.layers[0].self_attn.q_proj.kernel is None
+    use_kernels(model, fp4=True)
+    assert model.layers[0].self_attn.q_proj.kernel == "scaled_mm_fp4" and model.layers[0].experts.kernel
+    ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w4a4 = model.encode(ids, model.new_cache(batch_size=1, max_length=16)).hidden_states
+        use_kernels(model, enable=False)
+        w4a16 = model.encode(ids, model.new_cache(batch_size=1, max_length=16)).hidden_states
+    assert torch.isfinite(w4a4).all() and not torch.equal(w4a4, w4a16)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and __import__("dgemma.quant.kernels").quant.kernels.native_fp4("cuda")),
+    reason="needs a GPU with native FP4 matmuls (compute capability >= 10)",
+)
+def test_native_nvfp4_matmul_equals_its_emulation_on_blackwell():
+    from dgemma.quant.kernels import nvfp4_emulated, nvfp4_native
+
+    torch.manual_seed(0)
+    q = quantize(torch.randn(256, 512), "nvfp4")
+    q = type(q)(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in vars(q).items()})
+    x = torch.randn(40, 512, device="cuda")
+    emulated = nvfp4_emulated(x, q)
+    # the kernel returns bf16 (2^-8 relative) of an fp32 accumulation
+    torch.testing.assert_close(nvfp4_native(x, q), emulated, rtol=2**-7, atol=1e-3 * emulated.abs().max().item())

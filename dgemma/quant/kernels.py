@@ -7,6 +7,14 @@ published FP8 checkpoints run): `torch._int_mm` (int8 x int8 -> int32) and `torc
 row-wise scales). Both ops exist on CPU and CUDA in PyTorch 2.13; on CUDA they read half (int8, fp8)
 the bytes of a bf16 weight and use the tensor cores. int4 has no such portable op and keeps the
 dequantizing path. Each kernel is tested against the same computation on dequantized values.
+
+NVFP4 (W4A4, as NVFP4 checkpoints run in vLLM on Blackwell): the activations are quantized to NVFP4 too
+(dgemma's own quantize_nvfp4, one dynamic global scale per call), and `torch._scaled_mm` multiplies the
+two FP4 operands with their e4m3 block scales in cuBLAS's swizzled layout (`to_blocked`); the two global
+scales multiply the result. Native FP4 matmuls exist only on GPUs of compute capability 10 or newer
+(Blackwell: B200, RTX 50xx), so `use_kernels` switches nvfp4 on only there (`native_fp4`). Elsewhere the
+same W4A4 arithmetic runs emulated (`nvfp4_emulated`, the product of the dequantized operands), which is
+how its accuracy is measured on a CPU (benchmarks/quant_quality.py, mode `nvfp4-w4a4`).
 """
 
 from __future__ import annotations
@@ -14,9 +22,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .formats import FP8_MAX, Quantized
+from .formats import FP8_MAX, Quantized, dequantize, quantize_nvfp4
 
-KERNELS = {"int8": "int_mm", "fp8": "scaled_mm"}
+KERNELS = {"int8": "int_mm", "fp8": "scaled_mm", "nvfp4": "scaled_mm_fp4"}
+
+
+def native_fp4(device: torch.device | str) -> bool:
+    """Whether `device` multiplies FP4 operands natively (CUDA compute capability >= 10: Blackwell)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "float4_e2m1fn_x2"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales [rows, K / 16] in cuBLAS's layout for block-scaled matmuls, flattened: the matrix
+    zero-padded to 128 rows x 4 columns per tile, each tile stored as 32 rows of 16 (row r of the tile at
+    (r % 32, 4 * (r // 32) + column))."""
+    rows, cols = scales.shape
+    row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
+    padded = F.pad(scales.view(torch.uint8), (0, 4 * col_tiles - cols, 0, 128 * row_tiles - rows))
+    tiles = padded.view(row_tiles, 4, 32, col_tiles, 4).permute(0, 3, 2, 1, 4)  # [rt, ct, r%32, r//32, c]
+    return tiles.reshape(-1).view(scales.dtype)
 
 
 def quantize_rows(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +65,12 @@ def _pad_rows(x: torch.Tensor, multiple: int, minimum: int) -> tuple[torch.Tenso
 
 def quantized_matmul(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """x [..., K] @ W^T for an int8 or fp8 weight W [N, K] (per-row scales), activations quantized per
-    token; returns x's dtype."""
+    token, or an nvfp4 weight (W4A4); returns x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if q.mode == "nvfp4":
+        y = nvfp4_native(x2, q) if native_fp4(x.device) else nvfp4_emulated(x2, q)
+        return y.to(x.dtype).reshape(*lead, -1)
     xq, xs = quantize_rows(x2, q.mode)
     if x.is_cuda:  # the CUDA kernels want more than 16 rows and multiples of 16
         xq, m = _pad_rows(xq, 16, 32)
@@ -57,21 +87,53 @@ def quantized_matmul(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     return y.to(x.dtype).reshape(*lead, -1)
 
 
+def nvfp4_native(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """x [M, K] @ W^T on the FP4 tensor cores: x quantized to NVFP4, both operands' codes as
+    float4_e2m1fn_x2 with swizzled e4m3 block scales, the result times 1 / (x's global scale) and each
+    output column times 1 / (its row's global scale); fp32 [M, N]."""
+    xq = quantize_nvfp4(x)
+    codes, scales = xq.codes, xq.scales
+    codes, m = _pad_rows(codes, 128, 128)
+    scales, _ = _pad_rows(scales.view(torch.uint8), 128, 128)
+    fp4 = torch.float4_e2m1fn_x2
+    y = torch._scaled_mm(
+        codes.view(fp4),
+        q.codes.view(fp4).t(),
+        scale_a=to_blocked(scales.view(torch.float8_e4m3fn)),
+        scale_b=to_blocked(q.scales),
+        out_dtype=torch.bfloat16,
+    )[:m].float()
+    return y / xq.global_scale.reshape(()) / q.global_scale.reshape(1, -1)
+
+
+def nvfp4_emulated(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """What nvfp4_native computes, in fp32 on any device: x quantized to NVFP4 and dequantized, times the
+    dequantized weight; fp32 [M, N]."""
+    return F.linear(dequantize(quantize_nvfp4(x)), dequantize(q))
+
+
 def reference_matmul(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     """What quantized_matmul computes, on dequantized activations and weights (for tests)."""
-    from .formats import dequantize
-
     lead, k = x.shape[:-1], x.shape[-1]
+    if q.mode == "nvfp4":
+        return nvfp4_emulated(x.reshape(-1, k), q).to(x.dtype).reshape(*lead, -1)
     xq, xs = quantize_rows(x.reshape(-1, k), q.mode)
     return F.linear(xq.float() * xs, dequantize(q)).to(x.dtype).reshape(*lead, -1)
 
 
-def use_kernels(model: torch.nn.Module, enable: bool = True) -> torch.nn.Module:
-    """Switch the model's int8 / fp8 modules to the integer / fp8 matmuls (or back); returns the model."""
+def use_kernels(model: torch.nn.Module, enable: bool = True, fp4: bool | None = None) -> torch.nn.Module:
+    """Switch the model's int8 / fp8 modules to the integer / fp8 matmuls (or back), and nvfp4 ones to
+    W4A4 when `fp4` (default: where the model's device has native FP4 matmuls; True elsewhere runs the
+    emulation, to measure it); returns the model."""
     from .modules import QuantExperts, QuantLinear
 
     for module in model.modules():
-        if isinstance(module, QuantLinear | QuantExperts):
+        if not isinstance(module, QuantLinear | QuantExperts):
+            continue
+        if module.mode == "nvfp4":
+            buffer = next(module.buffers())
+            module.kernel = KERNELS["nvfp4"] if enable and (native_fp4(buffer.device) if fp4 is None else fp4) else None
+        else:
             per_row = all(spec.group_size is None for spec in module.specs.values())  # the kernels' scales
             module.kernel = KERNELS.get(module.mode) if enable and per_row else None
     return model
