@@ -419,10 +419,16 @@ class DiffusionGemma(nn.Module):
         embedding (`soft_embedding(logits)`); None is the first step's, exactly zero (as is a row of zeros:
         training zeroes the signal of some rows that way).
         """
+        return self.lm_head(self.denoise_hidden(canvas_ids, cache, self_conditioning))
+
+    def denoise_hidden(
+        self, canvas_ids: torch.Tensor, cache: DenoiseCache, self_conditioning: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`denoise` before the LM head: the final normalised hidden states [B, T, M] (training takes the
+        logits from them a chunk of positions at a time, never [B, T, V] at once)."""
         x = self.self_conditioning(self.embed(canvas_ids), self_conditioning)
         positions, masks = cache.prepare_denoise(*canvas_ids.shape)
-        hidden = self._run_layers(x, positions, cache, masks, is_encoder=False)
-        return self.lm_head(hidden)
+        return self._run_layers(x, positions, cache, masks, is_encoder=False)
 
     # -- helpers -------------------------------------------------------------------------------------
     def new_cache(

@@ -165,7 +165,7 @@ def test_encoder_loss_matches_full_computation():
     batch = _batch(model, EXAMPLES)
     cache = model.new_cache(3, batch.ids.shape[1], keep_all=True)
     hidden = model.encode(batch.ids, cache, attention_mask=batch.valid).hidden_states
-    chunked, per_example = encoder_loss(model, hidden, batch, ObjectiveConfig(ar_chunk_tokens=15))
+    chunked, per_example = encoder_loss(model, hidden, batch, ObjectiveConfig(logit_chunk_tokens=15))
     logits = model.lm_head(hidden)[:, :-1]
     ce = F.cross_entropy(logits.reshape(-1, 512), batch.ids[:, 1:].reshape(-1), reduction="none").view(3, -1)
     w = batch.ar_targets[:, 1:].float()

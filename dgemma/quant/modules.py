@@ -5,6 +5,12 @@ beside it (`weight_scale`, ...; `*_zero_point` for asymmetric int4, `*_global_sc
 quantized model's state dict has the checkpoint's names plus those entries. The forward passes
 dequantize one tile of output rows (or one expert) at a time into the activation dtype and multiply: no
 dequantized copy of a whole layer outlives the call.
+
+Training through them (LoRA over a quantized frozen base, dgemma/train/lora.py): the weights are frozen
+buffers, and what the backward pass needs is dL/dx = dL/dy W. A plain F.linear would keep each
+dequantized weight alive for that, which for an unrecomputed pass is the whole model in bf16; instead
+`dequantized_linear` keeps only the codes (which stay in memory anyway) and dequantizes again, one tile
+or one expert at a time, in the backward pass.
 """
 
 from __future__ import annotations
@@ -77,6 +83,44 @@ def _quantized(module: nn.Module, name: str, shape: tuple[int, ...], index: int 
     )
 
 
+class _DequantizedLinear(torch.autograd.Function):
+    """y = x W^T for a frozen quantized W, dequantized tile by tile in the forward and again in the
+    backward pass (which saves no dequantized weight, only a reference to the codes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: Quantized, tile: int) -> torch.Tensor:
+        ctx.q, ctx.tile = q, tile
+        return _tiled_linear(x, q, tile)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, tile, n_out = ctx.q, ctx.tile, ctx.q.shape[-2]
+        dx = None
+        for start in range(0, n_out, tile):
+            rows = slice(start, start + tile)
+            part = grad[..., rows] @ dequantize(q, grad.dtype, rows=rows)
+            dx = part if dx is None else dx + part
+        return dx, None, None
+
+
+def _tiled_linear(x: torch.Tensor, q: Quantized, tile: int) -> torch.Tensor:
+    if tile >= q.shape[-2]:
+        return F.linear(x, dequantize(q, x.dtype))
+    return torch.cat(
+        [F.linear(x, dequantize(q, x.dtype, rows=slice(a, a + tile))) for a in range(0, q.shape[-2], tile)], dim=-1
+    )
+
+
+def dequantized_linear(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """x W^T for the quantized weight `q` [out, in], dequantized into x's dtype a tile of output rows at a
+    time (at most TILE_ELEMENTS values); when x needs a gradient, the backward pass dequantizes again
+    instead of keeping the weight (the weights themselves are frozen: no gradient for them)."""
+    tile = max(1, TILE_ELEMENTS // q.shape[-1])
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _DequantizedLinear.apply(x, q, tile)
+    return _tiled_linear(x, q, tile)
+
+
 def _describe(spec: QuantSpec, kernel: str | None) -> str:
     group = f", group_size={spec.group_size}" if spec.mode == "int4" else ""
     zero = f", zero={spec.zero}" if spec.zero != "mid" else ""
@@ -119,18 +163,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized()
-        if self.kernel:
-            return quantized_matmul(x, q)
-        tile = max(1, TILE_ELEMENTS // self.in_features)
-        if tile >= self.out_features:
-            return F.linear(x, dequantize(q, x.dtype))
-        return torch.cat(
-            [
-                F.linear(x, dequantize(q, x.dtype, rows=slice(start, start + tile)))
-                for start in range(0, self.out_features, tile)
-            ],
-            dim=-1,
-        )
+        return quantized_matmul(x, q) if self.kernel else dequantized_linear(x, q)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " + _describe(self.spec, self.kernel)
@@ -164,6 +197,12 @@ class QuantExperts(nn.Module):
                 self.register_buffer(name + suffix, t)
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The codes of gate_up_proj: where peft (the name GPTQ / AWQ modules use) finds a quantized
+        module's device when it wraps it with LoRA (the module has no parameters)."""
+        return self.gate_up_proj
+
+    @property
     def mode(self) -> str:
         """The mode of both weights, or "mixed"."""
         modes = {s.mode for s in self.specs.values()}
@@ -186,6 +225,13 @@ class QuantExperts(nn.Module):
         for suffix, t in quantized_buffers(w, spec).items():
             getattr(self, name + suffix).copy_(t)
 
+    def set_expert(self, name: str, e: int, w: torch.Tensor) -> None:
+        """Quantize `w` [out, in] into expert `e`'s slice of the stacked weight `name` (a LoRA merge)."""
+        spec = self.specs[name]
+        _check_own(spec)
+        for suffix, t in quantized_buffers(w, spec).items():
+            getattr(self, name + suffix)[e].copy_(t)
+
     def quantized(self, name: str, e: int) -> Quantized:
         return _quantized(self, name, self.shapes[name][1:], e)
 
@@ -197,15 +243,15 @@ class QuantExperts(nn.Module):
         """Expert `e`'s dequantized weight `name`."""
         return dequantize(self.quantized(name, e), dtype)
 
-    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        if self.kernel:
-            return quantized_matmul(x, self.quantized(name, e))
-        return F.linear(x, self.expert(name, e, x.dtype))
+    def linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """x through expert `e`'s weight `name` (x W_e^T)."""
+        q = self.quantized(name, e)
+        return quantized_matmul(x, q) if self.kernel else dequantized_linear(x, q)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = self._linear(rows, "gate_up_proj", e).chunk(2, dim=-1)
-            return self._linear(gelu_tanh(gate) * up, "down_proj", e)
+            gate, up = self.linear(rows, "gate_up_proj", e).chunk(2, dim=-1)
+            return self.linear(gelu_tanh(gate) * up, "down_proj", e)
 
         return experts_by_expert(x, weights, index, self.shapes["gate_up_proj"][0], expert)
 

@@ -1,9 +1,11 @@
 """The training configuration (`dgemma train CONFIG.yaml`): typed sections, strictly validated.
 
     model:      preset: tiny | path: CHECKPOINT_DIR      (exactly one; `overrides` edits a preset)
+                quant: int4 | nvfp4 | fp8 | int8          (QLoRA: the frozen base quantized; needs lora)
     data:       train: data.jsonl, eval: ..., tokenizer: DIR, max_length: 1024, chat_template: true
     objective:  eps, self_conditioning_prob, encoder_loss_weight, loss, normalization, ...
-    lora:       r: 16, alpha: 32, dropout: 0.0, targets: [attention, mlp]    (omit for full training)
+    lora:       r: 16, alpha: 32, dropout: 0.0, targets: [attention, mlp, experts], experts: per_expert
+                (omit for full training)
     optim:      lr: 1.5e-4, betas: [0.95, 0.99], weight_decay: 1e-4, warmup_steps: 25, min_lr_ratio: 0.1,
                 grad_clip: 1.0
     train:      steps, batch_size, micro_batch_size, seed, out_dir, save_every, eval_every, ...
@@ -35,6 +37,10 @@ class ModelSection:
     # a vision tower for a preset (config.json vision_config fields); the image token ids are the
     # tokenizer's <|image>, <|image|>, <image|>, and image tokens attend both ways (as the released model)
     vision: dict[str, Any] | None = None
+    # QLoRA: the frozen base held quantized in memory (dgemma.quant's policy: attention, dense MLP, experts),
+    # quantized while loading; a checkpoint stored quantized keeps its own format. Needs a lora section.
+    quant: str | None = None
+    group_size: int = 64  # int4's inputs per scale
 
 
 @dataclass
@@ -52,6 +58,7 @@ class LoraSection:
     alpha: int = 32
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
+    experts: str = "per_expert"  # with target "experts": factors per expert, or one pair shared by all
 
 
 @dataclass
@@ -157,6 +164,15 @@ class TrainConfig:
                 errors.append("stage2.group_size must be >= 2 for RL (advantages compare a group's members)")
             if self.lora is not None:
                 errors.append("stage2 trains full models (no lora section)")
+        if self.model.quant is not None:
+            from ..quant import MODES
+
+            if self.model.quant not in MODES:
+                errors.append(f"model.quant must be one of {MODES} (got {self.model.quant!r})")
+            if self.lora is None:
+                errors.append("model.quant freezes the base quantized: it needs a lora section (QLoRA)")
+        if self.lora is not None and self.lora.experts not in ("per_expert", "shared"):
+            errors.append(f"lora.experts must be per_expert or shared (got {self.lora.experts!r})")
         if errors:
             raise ValueError("invalid training config: " + "; ".join(errors))
 

@@ -64,5 +64,5 @@ def shard(model: torch.nn.Module) -> None:
         fully_shard(layer)
     fully_shard(model)
     # The stack is driven through these methods, not forward(): gather its root parameters around them.
-    for method in ("encode", "denoise", "soft_embedding", "lm_head"):
+    for method in ("encode", "denoise", "denoise_hidden", "soft_embedding", "lm_head"):
         register_fsdp_forward_method(model, method)

@@ -9,6 +9,10 @@ embeddings and the self-conditioning block stay frozen. Adapters are saved in pe
 Everything that knows how peft lays a model out lives here: the trainer asks this module for the
 DiffusionGemma under the adapters (`base_model`), writes adapters with `save_adapter` and restores them
 with `adapter_state`; `load_adapter(merge=True)` is the merged export (`dgemma merge`).
+
+Targets may also be quantized (QLoRA: the frozen base stays int4 / nvfp4 / fp8 / int8 in memory) and
+include the experts (`experts`, per-expert or shared factors): the layers peft lacks for those are in
+lora_layers.py, registered with peft's custom-module mechanism.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ TARGETS = {  # module names of the text stack (the vision tower's projections ha
     "attention": r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
     "mlp": r"layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)",
     "self_conditioning": r"self_conditioning\.(gate_proj|up_proj|down_proj)",
+    "experts": r"layers\.\d+\.experts",  # both stacked weights, per-expert or shared factors (lora_layers.py)
 }
 DEFAULT_TARGETS = ("attention", "mlp")
 
@@ -50,8 +55,10 @@ def apply_lora(
     alpha: int = 32,
     dropout: float = 0.0,
     targets: list[str] | tuple[str, ...] = DEFAULT_TARGETS,
+    experts: str = "per_expert",
 ):
-    """Wrap `model` with fresh LoRA adapters (only they are trainable); returns the peft model."""
+    """Wrap `model` (bf16 or quantized) with fresh LoRA adapters (only they are trainable); returns the
+    peft model. `experts` ("per_expert" or "shared") is the experts' adapter kind when they are a target."""
     peft = _peft()
 
     if r <= 0 or alpha <= 0 or not 0 <= dropout < 1:
@@ -61,7 +68,25 @@ def apply_lora(
     config = peft.LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_regex(targets), bias="none"
     )
+    config._register_custom_module(_custom_modules(experts))
     return peft.get_peft_model(model, config)
+
+
+def _custom_modules(experts: str) -> dict:
+    from .lora_layers import custom_modules
+
+    return custom_modules(experts)
+
+
+def _saved_experts_kind(path: Path) -> str:
+    """Whether a saved adapter's expert factors are per expert or shared (from their shapes)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            if ".experts.lora_A." in key:
+                return "shared" if f.get_slice(key).get_shape()[0] == 1 else "per_expert"
+    return "per_expert"
 
 
 def is_adapted(model: torch.nn.Module) -> bool:
@@ -89,7 +114,7 @@ def adapter_state(model: torch.nn.Module, directory: Path) -> dict[str, torch.Te
 
     saved = load_file(str(Path(directory) / "adapter_model.safetensors"))
     # the file drops the adapter's name ("default") from each key
-    return {key: saved[key.replace(".default.weight", ".weight")] for key in model.state_dict() if "lora_" in key}
+    return {key: saved[key.replace(".default.", ".")] for key in model.state_dict() if "lora_" in key}
 
 
 def _check_adapter_dir(path: Path) -> None:
@@ -110,8 +135,10 @@ def load_adapter(model: DiffusionGemma, path: str | Path, *, merge: bool = True,
     path = Path(path)
     _check_adapter_dir(path)
     peft = _peft()
+    config = peft.LoraConfig.from_pretrained(str(path))
+    config._register_custom_module(_custom_modules(_saved_experts_kind(path)))
     try:
-        peft_model = peft.PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+        peft_model = peft.PeftModel.from_pretrained(model, str(path), config=config, is_trainable=trainable)
     except (KeyError, ValueError, RuntimeError) as e:
         raise ValueError(f"the adapter in {path} does not fit this model: {e}") from e
     if merge:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,9 @@ class ObjectiveConfig:
     loss: str = "flat"  # flat (the released recipes) | reweighted (1/(1-t), clipped) | mean_loo
     reweight_clip: float = 100.0
     normalization: str = "example"  # per-example mean then batch mean | token mean over the batch
-    ar_chunk_tokens: int = 512  # tokens per chunk of the encoder's cross-entropy (never all logits at once)
+    # tokens per chunk of the logits: both cross-entropies and pass 1's soft embedding take [chunk, V]
+    # logits at a time (recomputed in the backward pass), never [tokens, V] at once
+    logit_chunk_tokens: int = 512
     # which next tokens the encoder loss scores: "all" (prompt and response, the released recipes) or
     # "response" (only response tokens that are not pinned: what an AR twin of a task model must predict)
     encoder_targets: str = "all"
@@ -75,8 +78,8 @@ class ObjectiveConfig:
             errors.append("loss weights must be >= 0")
         if self.encoder_targets not in ("all", "response"):
             errors.append(f"encoder_targets must be 'all' or 'response' (got {self.encoder_targets!r})")
-        if self.reweight_clip <= 0 or self.ar_chunk_tokens <= 0:
-            errors.append("reweight_clip and ar_chunk_tokens must be > 0")
+        if self.reweight_clip <= 0 or self.logit_chunk_tokens <= 0:
+            errors.append("reweight_clip and logit_chunk_tokens must be > 0")
         if errors:
             raise ValueError("invalid objective: " + "; ".join(errors))
 
@@ -202,6 +205,17 @@ def _mean(per_token: torch.Tensor, weight: torch.Tensor, normalization: str) -> 
     return per_example.mean(), per_example
 
 
+def _chunks(hidden: torch.Tensor, cfg: ObjectiveConfig) -> list[slice]:
+    """Position chunks of hidden [B, T, M]: logit_chunk_tokens tokens (over the batch rows) per chunk."""
+    step = max(1, cfg.logit_chunk_tokens // hidden.shape[0])
+    return [slice(a, a + step) for a in range(0, hidden.shape[1], step)]
+
+
+def _chunked(fn, *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args) on one chunk, its logits recomputed in the backward pass rather than kept."""
+    return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+
+
 def _ar_chunk_loss(model: DiffusionGemma, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model.lm_head(hidden)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
@@ -213,28 +227,41 @@ def encoder_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg:
     """Next-token cross-entropy of the encoder over the valid pairs, in chunks of positions; each chunk's
     logits are recomputed in the backward pass rather than kept (they are [B, chunk, V] in fp32)."""
     h, targets, weight = hidden[:, :-1], batch.ids[:, 1:], batch.ar_targets[:, 1:].float()
-    step = max(1, cfg.ar_chunk_tokens // h.shape[0])  # positions per chunk
-    parts = []
-    for a in range(0, h.shape[1], step):
-        chunk = (h[:, a : a + step], targets[:, a : a + step])
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_ar_chunk_loss, model, *chunk, use_reentrant=False))
-        else:
-            parts.append(_ar_chunk_loss(model, *chunk))
+    fn = partial(_ar_chunk_loss, model)
+    parts = [_chunked(fn, h[:, c], targets[:, c]) for c in _chunks(h, cfg)]
     return _mean(torch.cat(parts, dim=1), weight, cfg.normalization)
 
 
-def diffusion_loss(logits: torch.Tensor, batch: Batch, cfg: ObjectiveConfig, vocab_size: int):
-    if cfg.loss == "mean_loo":
+def soft_embedding(model: DiffusionGemma, hidden: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """model.soft_embedding(model.lm_head(hidden)), a chunk of positions at a time (no gradient)."""
+    return torch.cat([model.soft_embedding(model.lm_head(hidden[:, c])) for c in _chunks(hidden, cfg)], dim=1)
+
+
+def _canvas_chunk_loss(
+    model: DiffusionGemma,
+    hidden: torch.Tensor,
+    clean: torch.Tensor,
+    noisy: torch.Tensor,
+    shift: torch.Tensor,
+    loo: bool,
+) -> torch.Tensor:
+    logits = model.lm_head(hidden)
+    if loo:
         # Leave-one-out parameterisation: add log(1 + K a / (1 - a)), a = 1 - t, to the logit of the token
         # observed at each position (arXiv 2605.22765; TRL/Unsloth `mean_loo`). The sampler would have to
         # apply the same shift; dgemma's does not, so use this only for experiments.
-        alpha = 1 - batch.t
-        shift = torch.log1p(vocab_size * alpha / (1 - alpha)).to(logits.dtype)
-        logits = logits.scatter_add(-1, batch.noisy[..., None], shift[:, None, None].expand(-1, logits.shape[1], 1))
-    per_token = F.cross_entropy(logits.reshape(-1, vocab_size), batch.clean.reshape(-1), reduction="none")
-    per_token = per_token.view(batch.clean.shape)
-    mean, per_example = _mean(per_token, batch.supervised.float(), cfg.normalization)
+        logits = logits.scatter_add(-1, noisy[..., None], shift[:, None, None].expand(-1, logits.shape[1], 1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none").view(clean.shape)
+
+
+def diffusion_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg: ObjectiveConfig):
+    """Cross-entropy of the denoiser's logits (from `hidden`, a chunk of positions at a time) against the
+    clean canvas: (mean, per-example means)."""
+    alpha = 1 - batch.t
+    shift = torch.log1p(model.text_config.vocab_size * alpha / (1 - alpha)).float()
+    fn = partial(_canvas_chunk_loss, model, loo=cfg.loss == "mean_loo")
+    parts = [_chunked(fn, hidden[:, c], batch.clean[:, c], batch.noisy[:, c], shift) for c in _chunks(hidden, cfg)]
+    mean, per_example = _mean(torch.cat(parts, dim=1), batch.supervised.float(), cfg.normalization)
     if cfg.loss == "reweighted":  # w(t) = -a'/a = 1/(1 - t), clipped (Megatron-Bridge)
         w = (1.0 / (1.0 - batch.t)).clamp(max=cfg.reweight_clip).to(per_example.dtype)
         mean = (per_example * w).mean()
@@ -257,14 +284,13 @@ def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConf
         return loss, {"loss": float(loss.detach()), "diffusion_loss": 0.0, "encoder_loss": float(ar.detach())}
     view = cache.prefix(batch.canvas_start)  # the clean prefix only: no canvas sees itself or later ones
     with torch.no_grad():
-        first = model.denoise(batch.noisy, view)
-        soft = model.soft_embedding(first)
-    logits = model.denoise(
+        soft = soft_embedding(model, model.denoise_hidden(batch.noisy, view), cfg)
+    hidden = model.denoise_hidden(
         batch.noisy,
         view,
         soft * batch.self_condition.to(soft.dtype)[:, None, None],  # off rows: exactly zero
     )
-    diff, _ = diffusion_loss(logits, batch, cfg, model.text_config.vocab_size)
+    diff, _ = diffusion_loss(model, hidden, batch, cfg)
     loss = cfg.diffusion_loss_weight * diff + cfg.encoder_loss_weight * ar
     return loss, {
         "loss": float(loss.detach()),

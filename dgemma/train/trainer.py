@@ -36,6 +36,7 @@ import torch
 
 from ..config import DiffusionGemmaConfig, TextConfig, preset
 from ..model import DiffusionGemma, build
+from ..quant import quantize_model
 from ..tokenizer import Tokenizer
 from ..weights import load, resolve_dtype
 from . import checkpoint, distributed, lora
@@ -130,8 +131,11 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma,
     dtype = resolve_dtype(cfg.model.dtype)
     tok_dir = cfg.resolve(cfg.data.tokenizer) or cfg.resolve(cfg.model.path)
     tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
+    quant = cfg.model.quant
     if cfg.model.path is not None:
-        model = load(cfg.resolve(cfg.model.path), dtype=dtype, device=device)
+        model = load(
+            cfg.resolve(cfg.model.path), dtype=dtype, device=device, quant=quant, group_size=cfg.model.group_size
+        )
     else:
         config = preset(cfg.model.preset)
         if cfg.model.overrides:
@@ -148,6 +152,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma,
         if cfg.model.vision is not None:
             _add_vision(config, cfg.model.vision, tokenizer)
         model = build(config, device=device, dtype=dtype, seed=cfg.model.init_seed)
+        if quant is not None:
+            quantize_model(model, quant, cfg.model.group_size)
     if tokenizer is not None and tokenizer.vocab_size > model.text_config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary only "
@@ -454,7 +460,7 @@ def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | N
     model, tokenizer, device = prepare(cfg)
     b = _batches(cfg, model, tokenizer, device)
     if cfg.lora is not None:
-        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets)
+        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.experts)
     if distributed.is_launched():
         distributed.shard(lora.base_model(model))
     run = start_run(cfg, model, tokenizer)
