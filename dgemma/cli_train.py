@@ -42,7 +42,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
     from .cli_common import options_or_positionals, quant_spec, write_checkpoint
-    from .quant import quantize_model
     from .train.lora import load_adapter
     from .weights import load
 
@@ -50,11 +49,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
     base, adapter, out = options_or_positionals(flags, [args.base, args.adapter, args.out])
     if out is None:
         raise ValueError("merge needs the base checkpoint, the adapter and where to write: --model, --adapter, --out")
-    spec = quant_spec(args)
-    model = load(base, dtype=args.dtype)
+    # With --quant the base is quantized as it loads and each delta is added to the dequantized weight,
+    # which is quantized again: what a QLoRA adapter was trained against, and the bf16 model is never in
+    # memory. A base stored quantized merges into its own format the same way.
+    model = load(base, dtype=args.dtype, quant=quant_spec(args))
     merged = load_adapter(model, adapter, merge=True)
-    if spec is not None:
-        quantize_model(merged, spec)
     write_checkpoint(merged, out, args, base)
     print(f"merged {adapter} into {base}: {out}", file=sys.stderr)
     return 0
@@ -79,8 +78,11 @@ def register(sub) -> None:
         "merge",
         help="merge a LoRA adapter into its base checkpoint",
         description="Add a LoRA adapter's deltas to its base weights and write a checkpoint that "
-        "loads without the adapter (tokenizer files are copied along); --quant quantizes the merged "
-        "weights, --format compressed-tensors writes them as vLLM serves them.",
+        "loads without the adapter (tokenizer files are copied along). Without --quant the deltas go "
+        "into the full-precision weights; with --quant the base is quantized as it loads and each delta "
+        "is added to the dequantized weight, which is quantized again (what a QLoRA adapter was trained "
+        "against; the full-precision model is never in memory). A base stored quantized merges into its "
+        "own format. --format compressed-tensors writes the result as vLLM serves it.",
     )
     m.add_argument("--model", "-m", dest="model_option", type=Path, default=None, help="the base checkpoint directory")
     m.add_argument(

@@ -120,6 +120,16 @@ class KVCache:
         view._read_only = True
         return view
 
+    def pinned(self) -> KVCache:
+        """A view that writes where this cache writes now, whatever its length later: an encoder layer
+        recomputed in the backward pass (gradient checkpointing, after `commit`) writes the same keys to
+        the same slots again. Needs `keep_all` (a sliding ring's writes depend on what it held)."""
+        if not self.keep_all:
+            raise ValueError("recomputing encoder layers needs a cache made with keep_all=True")
+        view = copy.copy(self)
+        view._denoise_memo = None
+        return view
+
     def check_batch(self, batch_size: int) -> None:
         """A ValueError unless a call's batch has this cache's number of rows."""
         if batch_size != self.batch_size:

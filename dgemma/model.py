@@ -299,8 +299,9 @@ class DiffusionGemma(nn.Module):
             self.vision_tower = VisionTower(vision)
             self.embed_vision = VisionEmbedder(vision, t.hidden_size)
         self._specs = {lt: t.layer(i) for i, lt in enumerate(t.layer_types)}  # one LayerSpec per layer type
-        # Recompute decoder layers in the backward pass instead of keeping their activations (training).
-        # Encoder layers are not checkpointed: they write the KV cache, which must happen once.
+        # Recompute layers in the backward pass instead of keeping their activations (training). Encoder
+        # layers write the KV cache: they are recomputed through a pinned view of a keep_all cache, which
+        # writes the same keys to the same slots again (otherwise they are not recomputed).
         self.gradient_checkpointing = False
 
     # -- pieces shared by both verbs -----------------------------------------------------------------
@@ -338,7 +339,10 @@ class DiffusionGemma(nn.Module):
         is_encoder: bool,
     ) -> torch.Tensor:
         cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items()}
-        recompute = self.gradient_checkpointing and not is_encoder and torch.is_grad_enabled()
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        if recompute and is_encoder:
+            recompute = getattr(cache, "keep_all", False)
+            cache = cache.pinned() if recompute else cache
         for layer, lt in zip(self.layers, self.text_config.layer_types, strict=True):
             if recompute:
                 x = checkpoint(layer, x, cos_sin[lt], cache, masks[lt], is_encoder, use_reentrant=False)

@@ -214,3 +214,61 @@ def test_expert_adapters_compute_what_merging_them_gives(experts):
         reference = logits(merged)
         assert not torch.allclose(reference, logits(base), atol=1e-3)  # the adapters change the model
     torch.testing.assert_close(adapted, reference, rtol=0, atol=1e-5 * reference.abs().max().item())
+
+
+def test_checkpointing_recomputes_the_encoder_too_with_the_same_gradients(monkeypatch):
+    """With gradient_checkpointing, encoder layers are recomputed in the backward pass as well (through a
+    pinned view of the keep_all cache: the recomputation writes the same keys to the same slots), so no
+    pass keeps a layer's activations. The recomputation repeats the same ops on the same inputs, so the
+    gradients are the same (compared to rounding, 1e-6 of their scale, not to the bit: BLAS may thread a
+    recomputed matmul differently)."""
+    from dgemma.model import DecoderLayer
+
+    base = dgemma.build(dgemma.preset("tiny"), seed=0)
+    calls = {"n": 0}
+    forward = DecoderLayer.forward
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counting)
+    runs = {}
+    for recompute in (False, True):
+        calls["n"] = 0
+        model = _adapted(quantize_model(copy.deepcopy(base), "int4", group_size=16))
+        model.get_base_model().gradient_checkpointing = recompute
+        runs[recompute] = _grads(model, "tiny"), calls["n"]
+    layers = base.text_config.num_hidden_layers
+    assert runs[False][1] == 3 * layers  # encoder, pass 1, pass 2
+    assert runs[True][1] == 5 * layers  # and the encoder and pass 2 again in the backward pass
+    (loss, grads), (loss_ck, grads_ck) = runs[False][0], runs[True][0]
+    torch.testing.assert_close(loss_ck, loss, rtol=0, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_ck[name], g, rtol=0, atol=1e-6 * g.abs().max().item())
+
+
+def test_cli_merges_a_qlora_adapter_into_the_quantized_base(tmp_path, capsys):
+    """`dgemma merge --quant nvfp4` quantizes the base as it loads and merges into it: the written
+    checkpoint holds exactly load(base, quant) with the adapter merged (re-quantized)."""
+    from dgemma.cli import main
+    from dgemma.train.trainer import train
+
+    base_dir = tmp_path / "base"
+    dgemma.save(dgemma.build(dgemma.preset("tiny"), seed=0), base_dir)
+    lora = {"r": 4, "alpha": 8, "targets": ALL}
+    data = _config(tmp_path, lora=lora, train={"steps": 2, "save_every": 2}).to_dict()
+    data["model"] = {"path": str(base_dir), "quant": "nvfp4"}
+    cfg = TrainConfig.from_dict(data, base_dir=tmp_path)
+    adapter = train(cfg, progress=False).final_dir
+    out = tmp_path / "merged"
+    assert main(["merge", "-m", str(base_dir), "--adapter", str(adapter), "--out", str(out), "--quant", "nvfp4"]) == 0
+    written = dgemma.load(out)
+    expected = load_adapter(dgemma.load(base_dir, quant="nvfp4"), adapter, merge=True)
+    assert isinstance(written.layers[0].experts, QuantExperts)
+    for (name, a), (_, b) in zip(written.state_dict().items(), expected.state_dict().items(), strict=True):
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b
+        ), name
+    untouched = dgemma.load(base_dir, quant="nvfp4")
+    assert not torch.equal(written.layers[0].experts.down_proj, untouched.layers[0].experts.down_proj)

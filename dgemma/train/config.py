@@ -4,7 +4,8 @@
                 quant: int4 | nvfp4 | fp8 | int8          (QLoRA: the frozen base quantized; needs lora)
     data:       train: data.jsonl, eval: ..., tokenizer: DIR, max_length: 1024, chat_template: true
     objective:  eps, self_conditioning_prob, encoder_loss_weight, loss, normalization, ...
-    lora:       r: 16, alpha: 32, dropout: 0.0, targets: [attention, mlp, experts], experts: per_expert
+    lora:       r: 16, alpha: 32, dropout: 0.0, targets: [attention, mlp, experts], experts: per_expert,
+                dtype: fp32
                 (omit for full training)
     optim:      lr: 1.5e-4, betas: [0.95, 0.99], weight_decay: 1e-4, warmup_steps: 25, min_lr_ratio: 0.1,
                 grad_clip: 1.0
@@ -59,6 +60,7 @@ class LoraSection:
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["attention", "mlp"])
     experts: str = "per_expert"  # with target "experts": factors per expert, or one pair shared by all
+    dtype: str = "fp32"  # the adapters' (and so their gradients' and AdamW states'): fp32 or bf16
 
 
 @dataclass
@@ -173,6 +175,8 @@ class TrainConfig:
                 errors.append("model.quant freezes the base quantized: it needs a lora section (QLoRA)")
         if self.lora is not None and self.lora.experts not in ("per_expert", "shared"):
             errors.append(f"lora.experts must be per_expert or shared (got {self.lora.experts!r})")
+        if self.lora is not None and self.lora.dtype not in ("fp32", "bf16"):
+            errors.append(f"lora.dtype must be fp32 or bf16 (got {self.lora.dtype!r})")
         if errors:
             raise ValueError("invalid training config: " + "; ".join(errors))
 

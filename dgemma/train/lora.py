@@ -2,8 +2,8 @@
 
 dgemma runs encode and denoise through the same modules, so one adapter serves both passes (as in Google's
 and NeMo's recipes); there is no separate encoder copy whose delta could be merged twice. The default
-targets are the attention projections and the dense GeGLU MLP of every layer; experts, router,
-embeddings and the self-conditioning block stay frozen. Adapters are saved in peft's format
+targets are the attention projections and the dense GeGLU MLP of every layer (`experts` and
+`self_conditioning` may be added); the router and the embeddings always stay frozen. Adapters are saved in peft's format
 (adapter_config.json + adapter_model.safetensors) under dgemma's module names.
 
 Everything that knows how peft lays a model out lives here: the trainer asks this module for the
@@ -56,9 +56,12 @@ def apply_lora(
     dropout: float = 0.0,
     targets: list[str] | tuple[str, ...] = DEFAULT_TARGETS,
     experts: str = "per_expert",
+    dtype: torch.dtype = torch.float32,
 ):
     """Wrap `model` (bf16 or quantized) with fresh LoRA adapters (only they are trainable); returns the
-    peft model. `experts` ("per_expert" or "shared") is the experts' adapter kind when they are a target."""
+    peft model. `experts` ("per_expert" or "shared") is the experts' adapter kind when they are a target;
+    `dtype` the adapters' (fp32, as peft keeps them, or bf16: half the bytes for them, their gradients
+    and their AdamW states, which per-expert factors of a large MoE need)."""
     peft = _peft()
 
     if r <= 0 or alpha <= 0 or not 0 <= dropout < 1:
@@ -69,7 +72,11 @@ def apply_lora(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_regex(targets), bias="none"
     )
     config._register_custom_module(_custom_modules(experts))
-    return peft.get_peft_model(model, config)
+    peft_model = peft.get_peft_model(model, config)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(dtype)
+    return peft_model
 
 
 def _custom_modules(experts: str) -> dict:

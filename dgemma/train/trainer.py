@@ -460,7 +460,8 @@ def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | N
     model, tokenizer, device = prepare(cfg)
     b = _batches(cfg, model, tokenizer, device)
     if cfg.lora is not None:
-        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.lora.experts)
+        lo = cfg.lora
+        model = apply_lora(model, lo.r, lo.alpha, lo.dropout, lo.targets, lo.experts, resolve_dtype(lo.dtype))
     if distributed.is_launched():
         distributed.shard(lora.base_model(model))
     run = start_run(cfg, model, tokenizer)
