@@ -8,7 +8,8 @@ held-out puzzles before and after, with the default sampler and the same seeds (
 
     python recipes/sudoku_data.py --train 20000 --validation 500 --test 0
     python recipes/sudoku_data.py --train 0 --validation 0 --test 1000 --seed 777 --out /tmp/sudoku-test
-    python benchmarks/qlora_sudoku.py --test /tmp/sudoku-test/test.jsonl [--steps 400] [--bases fp32 int4 nvfp4]
+    python benchmarks/qlora_sudoku.py --test /tmp/sudoku-test/test.jsonl [--steps 400] [--batch-size 32]
+        [--bases fp32 int4 nvfp4] [--puzzles 1000]
 
 Prints a table and ends with one JSON line.
 """
@@ -42,11 +43,11 @@ def solve_rate(model, tok, puzzles: list[dict]) -> float:
     return solved / len(puzzles)
 
 
-def run(base: str, steps: int, out: Path, puzzles: list[dict], tok) -> dict:
+def run(base: str, steps: int, batch_size: int, out: Path, puzzles: list[dict], tok) -> dict:
     """Train the recipe over `base` ("fp32" or a quantization mode); its curves and solve rates."""
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["model"]["quant"] = None if base == "fp32" else base
-    recipe["train"] |= {"steps": steps, "save_every": steps, "out_dir": str(out / base)}
+    recipe["train"] |= {"steps": steps, "batch_size": batch_size, "save_every": steps, "out_dir": str(out / base)}
     result = train(TrainConfig.from_dict(recipe, base_dir=RECIPE.parent), progress=False)
     log = [json.loads(line) for line in (out / base / "log.jsonl").read_text().splitlines()]
     quant = None if base == "fp32" else base
@@ -69,15 +70,16 @@ def main() -> None:
     ap.add_argument("--test", type=Path, required=True, help="held-out puzzles (jsonl with puzzle, solution)")
     ap.add_argument("--puzzles", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--bases", nargs="+", default=["fp32", "int4", "nvfp4"])
-    ap.add_argument("--window", type=int, default=50, help="training steps per row of the loss table")
+    ap.add_argument("--window", type=int, default=25, help="training steps per row of the loss table")
     args = ap.parse_args()
     puzzles = [json.loads(line) for line in args.test.read_text().splitlines()][: args.puzzles]
     tok = dgemma.Tokenizer.from_dir(sudoku.MODEL_DIR)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         for base in args.bases:
-            runs[base] = run(base, args.steps, Path(tmp), puzzles, tok)
+            runs[base] = run(base, args.steps, args.batch_size, Path(tmp), puzzles, tok)
             print(f"{base}: solve {runs[base]['solve_before']:.1%} -> {runs[base]['solve_after']:.1%}", file=sys.stderr)
     print("| steps | " + " | ".join(f"train loss, {b} base" for b in args.bases) + " |")
     print("|---|" + "---:|" * len(args.bases))

@@ -341,7 +341,7 @@ class DiffusionGemma(nn.Module):
         cos_sin = {lt: rope_cos_sin(spec, positions, x.dtype) for lt, spec in self._specs.items()}
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         if recompute and is_encoder:
-            recompute = getattr(cache, "keep_all", False)
+            recompute = cache.keep_all
             cache = cache.pinned() if recompute else cache
         for layer, lt in zip(self.layers, self.text_config.layer_types, strict=True):
             if recompute:

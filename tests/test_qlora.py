@@ -169,6 +169,8 @@ def test_config_refusals():
         TrainConfig.from_dict({**data, "model": {"preset": "tiny", "quant": "int3"}, "lora": {}})
     with pytest.raises(ValueError, match=r"lora\.experts must be"):
         TrainConfig.from_dict({**data, "lora": {"experts": "some"}})
+    with pytest.raises(ValueError, match=r"lora\.dtype must be"):
+        TrainConfig.from_dict({**data, "lora": {"dtype": "fp8"}})
 
 
 def test_the_24gb_recipe_runs_a_few_steps_on_a_random_small_model(tmp_path):

@@ -3,8 +3,8 @@
 dgemma runs encode and denoise through the same modules, so one adapter serves both passes (as in Google's
 and NeMo's recipes); there is no separate encoder copy whose delta could be merged twice. The default
 targets are the attention projections and the dense GeGLU MLP of every layer (`experts` and
-`self_conditioning` may be added); the router and the embeddings always stay frozen. Adapters are saved in peft's format
-(adapter_config.json + adapter_model.safetensors) under dgemma's module names.
+`self_conditioning` may be added); the router and the embeddings always stay frozen. Adapters are saved
+in peft's format (adapter_config.json + adapter_model.safetensors) under dgemma's module names.
 
 Everything that knows how peft lays a model out lives here: the trainer asks this module for the
 DiffusionGemma under the adapters (`base_model`), writes adapters with `save_adapter` and restores them
