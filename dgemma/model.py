@@ -198,6 +198,26 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, m))
         self.down_proj = nn.Parameter(torch.empty(e, m, i))
 
+    # -- one expert's weight, by name (the interface QuantExperts shares: LoRA and merging use it) ---------
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """[E, out, in] of gate_up_proj and down_proj."""
+        return {"gate_up_proj": tuple(self.gate_up_proj.shape), "down_proj": tuple(self.down_proj.shape)}
+
+    def linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """x through expert `e`'s weight `name` (x W_e^T)."""
+        return F.linear(x, getattr(self, name)[e])
+
+    def expert(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s weight `name` in `dtype`."""
+        return getattr(self, name)[e].to(dtype)
+
+    def set_expert(self, name: str, e: int, w: torch.Tensor) -> None:
+        """Overwrite expert `e`'s weight `name` with `w` [out, in] (a LoRA merge)."""
+        weight = getattr(self, name)
+        with torch.no_grad():
+            weight[e] = w.to(weight.dtype)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # Each (token, slot) output is weighted in fp32 and the K slots are summed in fp32, then cast
         # back: more accurate in bf16 than accumulating in place, and what the reference does.

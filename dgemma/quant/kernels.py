@@ -131,8 +131,8 @@ def use_kernels(model: torch.nn.Module, enable: bool = True, fp4: bool | None = 
         if not isinstance(module, QuantLinear | QuantExperts):
             continue
         if module.mode == "nvfp4":
-            buffer = next(module.buffers())
-            module.kernel = KERNELS["nvfp4"] if enable and (native_fp4(buffer.device) if fp4 is None else fp4) else None
+            w4a4 = native_fp4(next(module.buffers()).device) if fp4 is None else fp4
+            module.kernel = KERNELS["nvfp4"] if enable and w4a4 else None
         else:
             per_row = all(spec.group_size is None for spec in module.specs.values())  # the kernels' scales
             module.kernel = KERNELS.get(module.mode) if enable and per_row else None

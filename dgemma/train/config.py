@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .lora import EXPERT_KINDS
 from .objective import ObjectiveConfig
 
 
@@ -173,7 +174,7 @@ class TrainConfig:
                 errors.append(f"model.quant must be one of {MODES} (got {self.model.quant!r})")
             if self.lora is None:
                 errors.append("model.quant freezes the base quantized: it needs a lora section (QLoRA)")
-        if self.lora is not None and self.lora.experts not in ("per_expert", "shared"):
+        if self.lora is not None and self.lora.experts not in EXPERT_KINDS:
             errors.append(f"lora.experts must be per_expert or shared (got {self.lora.experts!r})")
         if self.lora is not None and self.lora.dtype not in ("fp32", "bf16"):
             errors.append(f"lora.dtype must be fp32 or bf16 (got {self.lora.dtype!r})")

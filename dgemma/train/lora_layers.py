@@ -31,9 +31,7 @@ from torch import nn
 from ..model import Experts, gelu_tanh
 from ..moe import experts_by_expert
 from ..quant import QuantExperts, QuantLinear, dequantize
-
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-EXPERT_MODES = ("per_expert", "shared")
+from .lora import EXPERT_KINDS
 
 
 def _move_to(layer: nn.Module, adapter_name: str, device: torch.device) -> None:
@@ -81,20 +79,6 @@ class ExpertFactors(nn.Module):
             self.register_parameter(name, p)
 
 
-def _expert_shapes(base: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """[E, out, in] of gate_up_proj and down_proj, for bf16 or quantized experts."""
-    if isinstance(base, QuantExperts):
-        return dict(base.shapes)
-    return {name: tuple(getattr(base, name).shape) for name in EXPERT_WEIGHTS}
-
-
-def expert_linear(base: nn.Module, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-    """x through expert `e`'s frozen weight `name` of bf16 or quantized experts."""
-    if isinstance(base, QuantExperts):
-        return base.linear(x, name, e)
-    return F.linear(x, getattr(base, name)[e])
-
-
 class LoraExperts(nn.Module, LoraLayer):
     """LoRA on stacked experts: expert e's gate_up_proj and down_proj outputs gain B_e A_e x * scaling
     (one pair of factors per expert; `SharedLoraExperts`: one pair for all)."""
@@ -108,17 +92,16 @@ class LoraExperts(nn.Module, LoraLayer):
         self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
-        m = _expert_shapes(module)["gate_up_proj"][2]
+        m = module.shapes["gate_up_proj"][2]
         return m, m
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config, **kwargs) -> None:
         if r <= 0:
             raise ValueError(f"LoRA rank must be > 0 (got {r})")
-        base = self.get_base_layer()
-        shapes = _expert_shapes(base)
+        base = self.get_base_layer()  # Experts or QuantExperts: the same per-expert interface
+        shapes = base.shapes
         groups = shapes["gate_up_proj"][0] if self.per_expert else 1
-        device = next(base.buffers(), None) if isinstance(base, QuantExperts) else base.gate_up_proj
-        device = device.device
+        device = base.gate_up_proj.device  # the parameter, or the codes
         self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
         self.scaling[adapter_name] = lora_alpha / (math.sqrt(r) if config.use_rslora else r)
         p = config.lora_dropout
@@ -141,7 +124,7 @@ class LoraExperts(nn.Module, LoraLayer):
         return out
 
     def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        y = expert_linear(self.get_base_layer(), x, name, e)
+        y = self.get_base_layer().linear(x, name, e)
         delta = self._delta(x, name, e)
         return y if delta is None else y + delta.to(y.dtype)
 
@@ -154,7 +137,7 @@ class LoraExperts(nn.Module, LoraLayer):
             gate, up = self._linear(rows, "gate_up_proj", e).chunk(2, dim=-1)
             return self._linear(gelu_tanh(gate) * up, "down_proj", e)
 
-        return experts_by_expert(x, weights, index, _expert_shapes(base)["gate_up_proj"][0], expert)
+        return experts_by_expert(x, weights, index, base.shapes["gate_up_proj"][0], expert)
 
     def get_delta_weight(self, adapter: str, name: str, e: int) -> torch.Tensor:
         """Expert e's weight change [out, in] from `adapter`, in fp32."""
@@ -168,15 +151,11 @@ class LoraExperts(nn.Module, LoraLayer):
         for adapter in adapter_names or self.active_adapters:
             if adapter not in self.lora_A or adapter in self.merged_adapters:
                 continue
-            for name, (e_count, _, _) in _expert_shapes(base).items():
-                for e in range(e_count):
-                    delta = self.get_delta_weight(adapter, name, e)
-                    if isinstance(base, QuantExperts):
-                        base.set_expert(name, e, base.expert(name, e, torch.float32) + delta)
-                    else:
-                        w = getattr(base, name)
-                        with torch.no_grad():
-                            w[e] = (w[e].float() + delta).to(w.dtype)
+            for name, (e_count, _, _) in base.shapes.items():
+                for e in range(e_count):  # a quantized base: dequantized, added, quantized again
+                    base.set_expert(
+                        name, e, base.expert(name, e, torch.float32) + self.get_delta_weight(adapter, name, e)
+                    )
             self.merged_adapters.append(adapter)
 
     def unmerge(self) -> None:
@@ -191,7 +170,7 @@ class SharedLoraExperts(LoraExperts):
 
 def custom_modules(experts: str = "per_expert") -> dict[type[nn.Module], type[nn.Module]]:
     """The peft custom-module mapping for dgemma's modules; `experts` picks the experts' adapter kind."""
-    if experts not in EXPERT_MODES:
-        raise ValueError(f"lora.experts must be one of {EXPERT_MODES} (got {experts!r})")
+    if experts not in EXPERT_KINDS:
+        raise ValueError(f"lora.experts must be one of {EXPERT_KINDS} (got {experts!r})")
     kind = LoraExperts if experts == "per_expert" else SharedLoraExperts
     return {QuantLinear: QuantLoraLinear, QuantExperts: kind, Experts: kind}

@@ -211,13 +211,23 @@ def _chunks(hidden: torch.Tensor, cfg: ObjectiveConfig) -> list[slice]:
     return [slice(a, a + step) for a in range(0, hidden.shape[1], step)]
 
 
-def _chunked(fn, *args: torch.Tensor) -> torch.Tensor:
+def _chunked(fn, *args: torch.Tensor | None) -> torch.Tensor:
     """fn(*args) on one chunk, its logits recomputed in the backward pass rather than kept."""
     return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
 
 
-def _ar_chunk_loss(model: DiffusionGemma, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(
+    model: DiffusionGemma,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    observed: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy of the logits of one chunk of positions against `targets`; with `observed`
+    (mean_loo), `shift` [B] is first added to the logit of the token observed at each position."""
     logits = model.lm_head(hidden)
+    if observed is not None:
+        logits = logits.scatter_add(-1, observed[..., None], shift[:, None, None].expand(-1, logits.shape[1], 1))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view(
         targets.shape
     )
@@ -227,8 +237,7 @@ def encoder_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg:
     """Next-token cross-entropy of the encoder over the valid pairs, in chunks of positions; each chunk's
     logits are recomputed in the backward pass rather than kept (they are [B, chunk, V] in fp32)."""
     h, targets, weight = hidden[:, :-1], batch.ids[:, 1:], batch.ar_targets[:, 1:].float()
-    fn = partial(_ar_chunk_loss, model)
-    parts = [_chunked(fn, h[:, c], targets[:, c]) for c in _chunks(h, cfg)]
+    parts = [_chunked(partial(_chunk_loss, model), h[:, c], targets[:, c]) for c in _chunks(h, cfg)]
     return _mean(torch.cat(parts, dim=1), weight, cfg.normalization)
 
 
@@ -237,30 +246,21 @@ def soft_embedding(model: DiffusionGemma, hidden: torch.Tensor, cfg: ObjectiveCo
     return torch.cat([model.soft_embedding(model.lm_head(hidden[:, c])) for c in _chunks(hidden, cfg)], dim=1)
 
 
-def _canvas_chunk_loss(
-    model: DiffusionGemma,
-    hidden: torch.Tensor,
-    clean: torch.Tensor,
-    noisy: torch.Tensor,
-    shift: torch.Tensor,
-    loo: bool,
-) -> torch.Tensor:
-    logits = model.lm_head(hidden)
-    if loo:
-        # Leave-one-out parameterisation: add log(1 + K a / (1 - a)), a = 1 - t, to the logit of the token
-        # observed at each position (arXiv 2605.22765; TRL/Unsloth `mean_loo`). The sampler would have to
-        # apply the same shift; dgemma's does not, so use this only for experiments.
-        logits = logits.scatter_add(-1, noisy[..., None], shift[:, None, None].expand(-1, logits.shape[1], 1))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1), reduction="none").view(clean.shape)
-
-
 def diffusion_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cfg: ObjectiveConfig):
     """Cross-entropy of the denoiser's logits (from `hidden`, a chunk of positions at a time) against the
     clean canvas: (mean, per-example means)."""
-    alpha = 1 - batch.t
-    shift = torch.log1p(model.text_config.vocab_size * alpha / (1 - alpha)).float()
-    fn = partial(_canvas_chunk_loss, model, loo=cfg.loss == "mean_loo")
-    parts = [_chunked(fn, hidden[:, c], batch.clean[:, c], batch.noisy[:, c], shift) for c in _chunks(hidden, cfg)]
+    shift = None
+    if cfg.loss == "mean_loo":
+        # Leave-one-out parameterisation: add log(1 + K a / (1 - a)), a = 1 - t, to the logit of the token
+        # observed at each position (arXiv 2605.22765; TRL/Unsloth `mean_loo`). The sampler would have to
+        # apply the same shift; dgemma's does not, so use this only for experiments.
+        alpha = 1 - batch.t
+        shift = torch.log1p(model.text_config.vocab_size * alpha / (1 - alpha)).float()
+    fn = partial(_chunk_loss, model)
+    parts = [
+        _chunked(fn, hidden[:, c], batch.clean[:, c], None if shift is None else batch.noisy[:, c], shift)
+        for c in _chunks(hidden, cfg)
+    ]
     mean, per_example = _mean(torch.cat(parts, dim=1), batch.supervised.float(), cfg.normalization)
     if cfg.loss == "reweighted":  # w(t) = -a'/a = 1/(1 - t), clipped (Megatron-Bridge)
         w = (1.0 / (1.0 - batch.t)).clamp(max=cfg.reweight_clip).to(per_example.dtype)
