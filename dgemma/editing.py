@@ -122,13 +122,17 @@ def fill(
     template: list[int | None] | list[list[int | None]],
     prompt: list[int] | list[list[int]] | None = None,
     params: SamplingParams | None = None,
+    *,
+    allowed=None,
     **overrides,
 ) -> GenerationResult:
     """Generate a sequence shaped like `template`: given token ids are kept, holes (None) are generated.
 
     A batch takes a list of templates of equal length (and a prompt per template). Templates longer than a
     canvas continue in the next canvases. The result's `tokens` hold the whole sequence, holes filled.
-    `model` may be a Runner.
+    `allowed`, aligned with the template, restricts what a hole may hold: per position None (any token)
+    or a set of token ids (one list for every row, or one per row; see dgemma.constraints). `model` may
+    be a Runner.
     """
     runner = as_runner(model)
     model = runner.model
@@ -153,7 +157,7 @@ def fill(
             "decides how many tokens are generated"
         )
     overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
-    return generate(runner, prompts, params, pins=pins, max_new_tokens=pins.shape[1], **overrides)
+    return generate(runner, prompts, params, pins=pins, allowed=allowed, max_new_tokens=pins.shape[1], **overrides)
 
 
 def template_pins(templates: list[list[int | None]]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constraints import Allowed, as_allowed
 from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
 from .model import DiffusionGemma
@@ -39,6 +40,7 @@ from .sampling import (
     fast_transition,
     random_tokens,
     reference_transition,
+    restrict,
     temperature,
 )
 from .settings import MODES, SamplingParams  # noqa: F401 (the settings live in settings.py; both are public here too)
@@ -173,6 +175,7 @@ class _Canvas:
     pin_values: torch.Tensor  # [B, C]
     done: torch.Tensor  # [B] bool: this row stopped denoising
     needed: torch.Tensor  # [B, C] bool: positions whose tokens will be returned
+    allowed: torch.Tensor | None = None  # [B, C] class of each position's allowed tokens (-1: any), when constrained
     sc: torch.Tensor | None = None  # self-conditioning: processed logits (exact) or soft embeddings (fast)
     steps: torch.Tensor | None = None  # [B] steps run in this canvas
     stable_steps: torch.Tensor | None = None  # [B, C] consecutive steps with the same argmax (early commit)
@@ -232,6 +235,7 @@ class _Loop:
         pins: torch.Tensor | None,
         prompt_tokens: list[int],
         t0: float,
+        allowed: Allowed | None = None,
     ):
         model = runner.model
         self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
@@ -240,6 +244,7 @@ class _Loop:
         self.v = model.text_config.vocab_size
         self.device = model.device
         self.pins = pins
+        self.allowed = allowed
         self.prompt_tokens = prompt_tokens
         self.pad_id = model.generation_config.pad_token_id
         if self.pad_id is None:
@@ -287,6 +292,7 @@ class _Loop:
             pin_values=pin_values,
             done=done,
             needed=needed,
+            allowed=None if self.allowed is None else self.allowed.canvas(k, c),
             steps=torch.zeros(b, dtype=torch.long, device=self.device),
             stable_steps=torch.zeros(b, c, dtype=torch.long, device=self.device),
             frontier=[0] * b,
@@ -320,15 +326,19 @@ class _Loop:
         if everyone:  # the common case: no gathers and scatters
             rows, cache = slice(None), self.cache
             tokens, sc, pinned, pin_values, needed = st.tokens, st.sc, st.pinned, st.pin_values, st.needed
+            allowed = st.allowed
         else:
             rows = active.nonzero().squeeze(-1)
             cache = self.cache.rows(rows)
             tokens, pinned, pin_values, needed = st.tokens[rows], st.pinned[rows], st.pin_values[rows], st.needed[rows]
             sc = None if st.sc is None else st.sc[rows]
+            allowed = None if st.allowed is None else st.allowed[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
         logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
         logits.div_(self.temperatures[step])
+        if allowed is not None:
+            restrict(logits, self.allowed.classes, allowed)
         t = fast_transition(
             logits,
             self.sampler,
@@ -444,6 +454,7 @@ def prepare(
     *,
     tokenizer=None,
     pins: torch.Tensor | None = None,
+    allowed=None,
     cache: KVCache | None = None,
     pixels=None,
     images=None,
@@ -460,6 +471,8 @@ def prepare(
     p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
     if pins is not None and p.mode == "exact":
         raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
+    if allowed is not None and p.mode == "exact":
+        raise ValueError("allowed tokens need mode 'fast' (the reference has no constraints)")
     if images is not None:
         prompt, pixels = _with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
@@ -467,6 +480,9 @@ def prepare(
     ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
     if pins is not None and pins.shape[0] != ids.shape[0]:
         raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {ids.shape[0]} prompts")
+    allowed = as_allowed(allowed, ids.shape[0], model.text_config.vocab_size)
+    if allowed is not None:
+        allowed.check(ids.shape[0], model.text_config.vocab_size, pins)
     c = model.config.canvas_length
     total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
     room = ids.shape[1] + math.ceil(total / c) * c
@@ -484,7 +500,9 @@ def prepare(
         )
     with torch.no_grad():
         runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact", pixels=pixels)
-    loop = _Loop(runner, cache, p, None if pins is None else pins.to(model.device), [len(r) for r in rows], t0)
+    pins = None if pins is None else pins.to(model.device)
+    allowed = None if allowed is None else allowed.to(model.device)
+    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed)
     return loop.run()
 
 
@@ -496,6 +514,7 @@ def stream(
     *,
     tokenizer=None,
     pins: torch.Tensor | None = None,
+    allowed=None,
     cache: KVCache | None = None,
     **overrides,
 ) -> Iterator[Event]:
@@ -504,14 +523,16 @@ def stream(
 
     `prompt`: token ids, a list of them (a batch, left-padded), or text (with `tokenizer`). `overrides` set
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
-    sequence that are given, -1 elsewhere; `cache` continues a conversation already in that cache;
+    sequence that are given, -1 elsewhere; `allowed` (fast mode) the tokens each position may hold: a
+    list of token-id sets (None for any) for the positions of the generated sequence, one such list per
+    row, or a dgemma.constraints.Allowed (see there); `cache` continues a conversation already in that cache;
     `images` (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a
     chat template writes them; dgemma.images.chat_prompt makes one from messages), each given at most
     `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts
     (these three, like the SamplingParams fields, go to `prepare`).
     """
     runner = as_runner(model)
-    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, cache=cache, **overrides)
+    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, allowed=allowed, cache=cache, **overrides)
     for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]

@@ -130,6 +130,27 @@ def random_tokens(shape, vocab_size: int, device, generator: torch.Generator | N
     return torch.randint(0, vocab_size, shape, device=device, generator=generator)
 
 
+@torch.no_grad()
+def restrict(logits: torch.Tensor, classes: torch.Tensor, index: torch.Tensor, chunk: int | None = None) -> None:
+    """In place: at each position whose `index` [B, C] is k >= 0, every token outside `classes[k]` (a bool
+    [K, V] row of allowed tokens) gets the lowest finite logit, so that its probability is exactly 0.
+
+    Applied to a step's processed logits before anything reads them, so the entropy, the acceptance, the
+    draws, the argmax and the self-conditioning all see the constrained distribution. The lowest finite
+    value rather than -inf keeps the entropy's p * logit terms at 0, not NaN. Row chunks bound the
+    [chunk, V] mask; no read back to the host.
+    """
+    b, c, v = logits.shape
+    chunk = chunk or _chunk_rows(v, logits.device)
+    flat, idx = logits.view(b * c, v), index.reshape(-1)
+    low = torch.finfo(logits.dtype).min
+    for a in range(0, b * c, chunk):
+        i = idx[a : a + chunk]
+        outside = ~classes[i.clamp(min=0)]
+        outside &= (i >= 0)[:, None]
+        flat[a : a + chunk].masked_fill_(outside, low)
+
+
 # ------------------------------------------------------------------------------------------------
 # Acceptance rules
 
