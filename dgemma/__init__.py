@@ -17,6 +17,7 @@ from .generate import GenerationResult, SamplingParams, Session, generate, strea
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
 from .runner import Runner, accelerate
+from .structured import generate_json
 from .tokenizer import Tokenizer
 from .weights import load, save
 
@@ -42,6 +43,7 @@ __all__ = [
     "fill",
     "generate",
     "generate_ar",
+    "generate_json",
     "images",
     "infill",
     "load",

@@ -221,9 +221,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     if args.ar and (args.image or args.video_frames):
         raise ValueError("--ar decodes text prompts only; leave out --image")
+    schema = _read_schema(args.json_schema) if args.json_schema else None
+    if schema is not None and (args.ar or args.max_new_tokens is not None):
+        raise ValueError("--json-schema sizes the answer from the schema; leave out --ar and --max-new-tokens")
     runner, tokenizer = load_model_and_tokenizer(args)
     _check_vision(args, runner.model)
     ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config)
+    if schema is not None:
+        return _generate_json(runner, tokenizer, ids, pixels, schema, args)
     if args.ar:
         limit = args.max_new_tokens or runner.model.generation_config.max_new_tokens
         events = stream_ar(runner, ids, limit, temperature=args.temperature, seed=args.seed)
@@ -232,6 +237,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printer = TextPrinter(tokenizer)
     result = run_stream(events, tokenizer, args, printer)
     report(result, args, tokenizer.decode(result.tokens[0]))
+    return 0
+
+
+def _read_schema(path: Path) -> dict:
+    try:
+        schema = json.loads(read_text(str(path), "--json-schema"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {path}: not JSON ({e})") from e
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object")
+    return schema
+
+
+def _generate_json(runner, tokenizer, ids, pixels, schema: dict, args) -> int:
+    """--json-schema: the answer as JSON valid against the schema (dgemma.generate_json)."""
+    from .structured import generate_json
+
+    out = generate_json(runner, ids, schema, tokenizer=tokenizer, pixels=pixels, **sampling_overrides(args))
+    extra = {"json": out.value, "attempts": out.attempts, "steps": out.steps}
+    if not args.json:
+        print(out.text, end="")
+    report(out.result, args, out.text, extra)
     return 0
 
 
@@ -357,6 +384,13 @@ def _register_generate(sub, epilog: str) -> None:
     add_sampling_args(g)
     g.add_argument("--ar", action="store_true", help="decode autoregressively (token by token) instead")
     g.add_argument("--temperature", type=float, default=0.0, help="with --ar: sampling temperature (0 = greedy)")
+    g.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="answer with JSON valid against this JSON schema: keys and punctuation pinned, each value "
+        "denoised under its type's tokens (docs/structured.md)",
+    )
     add_output_args(g)
     g.set_defaults(func=cmd_generate)
 

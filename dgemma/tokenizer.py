@@ -197,6 +197,22 @@ class Tokenizer:
         `max_token_chars * n` cannot fit in n tokens (the server refuses such prompts before tokenising)."""
         return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
+    @functools.cached_property
+    def token_texts(self) -> list[str]:
+        """The text each token id decodes to in the middle of a text (index = id): what a constrained
+        position holding that token adds to the output. Decoded after an anchor token, so that decoders
+        which treat a text's first token specially (a leading space stripped) do not; a byte-level piece
+        that is only part of a character decodes to U+FFFD."""
+        anchor = self._tok.encode("a", add_special_tokens=False).ids[:1]
+        skip = len(self._tok.decode(anchor))
+        texts = self._tok.decode_batch([[*anchor, i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return [t[skip:] for t in texts]
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens: never part of generated text a constraint builds."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -1,0 +1,515 @@
+"""Structured output: JSON that parses and validates against a schema by construction.
+
+A left-to-right engine constrains its output with a grammar automaton, token by token. A canvas model can
+lay the structure out first and denoise only the values, with the whole answer in view. `generate_json`
+compiles a JSON schema into a template (dgemma.fill) and per-position allowed tokens
+(dgemma.constraints):
+
+    {"name":"<string hole>","age":<integer hole>,"tags":[<string hole><sep><string hole>],"ok":<choice>}
+
+- keys, punctuation and fixed literals (`const`, `null`, a one-value `enum`) are pinned, in compact JSON
+  (no spaces, so no token boundary falls inside a space-led piece);
+- each value is a hole whose positions allow only the tokens its type can hold, and the tokens that end
+  it: a string's characters (no quote, backslash or control character) or a quote-led token, which
+  closes it; a number's digits (a minus first, a dot inside for `number`) or a token that can follow a
+  number (`,` `}` `]` or whitespace). The model sizes each value itself: the value ends at its closing
+  token and what the hole holds after it is dropped. A hole's length is its budget: `maxLength` + 1 for a
+  string (at most `MAX_STRING_TOKENS`, `DEFAULT_STRING_TOKENS` without one), the digits `minimum` and
+  `maximum` allow for a number;
+- an array has `maxItems` slots (`DEFAULT_MAX_ITEMS` without one), the first `minItems` joined by pinned
+  commas, each later one after a one-token hole that is a comma (another item) or a `]` (the end);
+- `enum` and `boolean` are a choice: the hole allows, at each position, the tokens the options have
+  there; a fill that spells an option is that option, any other is decided by the encoder's
+  log-probability of each option after the JSON before it (as `choices` are scored);
+- the template is followed by end-of-text pins to the end of its canvas; a template longer than a
+  canvas continues in the next ones.
+
+The values are read back from the filled holes and the JSON is written from them (`json.dumps`), so it
+always parses and has the schema's shape; what a shape cannot guarantee (`minLength`, `minimum`,
+`maximum`, a lone minus sign) is checked with `jsonschema`, and a failing answer is drawn again with the
+next seed, up to `retries` times, before `StructuredOutputError`.
+
+Supported keywords: `type` (object, array, string, integer, number, boolean, null), `properties`,
+`required`, `additionalProperties` (false or true: only the declared properties are written, all of
+them), `items`, `minItems`, `maxItems`, `enum`, `const`, `minLength`, `maxLength`, `minimum`,
+`maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and the annotations (`title`, `description`, ...).
+Anything else (`pattern`, `format`, `anyOf`, `$ref`, ...) is refused by name, never ignored. String
+characters are those of whole tokens: a character the tokenizer only spells in byte pieces cannot be
+written.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .editing import end_of_text_ids, fill
+from .generate import GenerationResult, SamplingParams, prompt_rows
+from .runner import Runner, as_runner
+
+DEFAULT_STRING_TOKENS = 24
+MAX_STRING_TOKENS = 128
+DEFAULT_MAX_ITEMS = 4
+MAX_ITEMS = 32
+MAX_TEMPLATE_TOKENS = 4096  # the longest template a schema may compile to
+MAX_DEPTH = 8
+DEFAULT_RETRIES = 2
+_ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples"}
+_KEYWORDS = {
+    "object": {"properties", "required", "additionalProperties"},
+    "array": {"items", "minItems", "maxItems"},
+    "string": {"minLength", "maxLength"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "boolean": set(),
+    "null": set(),
+}
+
+
+class StructuredOutputError(ValueError):
+    """The model gave no answer that validates within the retries (or the schema cannot be compiled)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Token classes of a vocabulary
+
+
+class TokenClasses:
+    """Bool [V] masks of the tokens that may stand in a JSON value's positions, for one tokenizer and a
+    model's vocabulary size (ids the tokenizer lacks, and special tokens, are in none)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.texts = tokenizer.token_texts[:vocab_size]
+        special = tokenizer.special_ids
+        self._usable = [i not in special and t != "" and "\ufffd" not in t for i, t in enumerate(self.texts)]
+
+    def where(self, test: Callable[[str], bool]) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        ids = [i for i, t in enumerate(self.texts) if self._usable[i] and test(t)]
+        mask[torch.tensor(ids, dtype=torch.long)] = True
+        return mask
+
+    @functools.cached_property
+    def string_body(self) -> torch.Tensor:
+        return self.where(lambda t: not any(c in '"\\' or ord(c) < 0x20 for c in t))
+
+    @functools.cached_property
+    def quote_led(self) -> torch.Tensor:
+        return self.where(lambda t: t[0] == '"')
+
+    @functools.cached_property
+    def digits(self) -> torch.Tensor:
+        return self.where(str.isdecimal) & self.where(lambda t: t.isascii())
+
+    @functools.cached_property
+    def minus(self) -> torch.Tensor:
+        return self.where(lambda t: t == "-")
+
+    @functools.cached_property
+    def dot(self) -> torch.Tensor:
+        return self.where(lambda t: t == ".")
+
+    @functools.cached_property
+    def after_value(self) -> torch.Tensor:
+        """Tokens that can follow a number or a literal: they end it."""
+        return self.where(lambda t: t[0] in ",}] \n\t")
+
+    @functools.cached_property
+    def comma_led(self) -> torch.Tensor:
+        return self.where(lambda t: t[0] == ",")
+
+    @functools.cached_property
+    def close_led(self) -> torch.Tensor:
+        return self.where(lambda t: t[0] == "]")
+
+    @functools.cached_property
+    def blank(self) -> torch.Tensor:
+        return self.where(str.isspace)
+
+    def ids(self, mask: torch.Tensor) -> set[int]:
+        return set(mask.nonzero().squeeze(-1).tolist())
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout: the template being built
+
+
+@dataclass
+class _Layout:
+    classes: TokenClasses
+    template: list[int | None] = field(default_factory=list)
+    allowed: list[torch.Tensor | None] = field(default_factory=list)
+    pending: str = ""
+
+    def text(self, s: str) -> None:
+        self.pending += s
+
+    def flush(self) -> None:
+        if self.pending:
+            ids = self.classes.tokenizer.encode(self.pending, add_special_tokens=False)
+            self.template += ids
+            self.allowed += [None] * len(ids)
+            self.pending = ""
+
+    def hole(self, masks: list[torch.Tensor]) -> slice:
+        self.flush()
+        start = len(self.template)
+        self.template += [None] * len(masks)
+        self.allowed += masks
+        if len(self.template) > MAX_TEMPLATE_TOKENS:
+            raise StructuredOutputError(f"the schema needs more than {MAX_TEMPLATE_TOKENS} tokens of template")
+        return slice(start, start + len(masks))
+
+
+class _Invalid(Exception):
+    """A filled value that its type cannot read (a lone minus sign): the answer is drawn again."""
+
+
+@dataclass
+class _Read:
+    """What reading the filled template needs: its tokens, their texts, and a scorer for choices."""
+
+    tokens: list[int]
+    classes: TokenClasses
+    score: Callable[[int, list[list[int]]], int]  # (template position, options' tokens) -> best option
+
+    def texts(self, span: slice, end: torch.Tensor) -> tuple[str, bool]:
+        """The text of a hole up to (not including) its first token in `end`, and whether one came."""
+        out = []
+        for t in self.tokens[span]:
+            if bool(end[t]):
+                return "".join(out), True
+            out.append(self.classes.texts[t])
+        return "".join(out), False
+
+
+# ------------------------------------------------------------------------------------------------
+# Nodes: one per schema value, each lays itself out and reads itself back
+
+
+class _Const:
+    def __init__(self, value: Any):
+        self.value = value
+
+    def layout(self, b: _Layout) -> None:
+        b.text(_dumps(self.value))
+
+    def read(self, r: _Read) -> Any:
+        return self.value
+
+
+class _String:
+    def __init__(self, budget: int, min_length: int, max_length: int | None):
+        self.budget, self.min_length, self.max_length = budget, min_length, max_length
+
+    def layout(self, b: _Layout) -> None:
+        b.text('"')
+        body = b.classes.string_body
+        # a token holds at least one character: `minLength` positions that cannot close the string
+        # give at least minLength characters
+        first = min(self.min_length, self.budget - 1)
+        self.span = b.hole([body] * first + [body | b.classes.quote_led] * (self.budget - first))
+
+    def read(self, r: _Read) -> str:
+        text, _ = r.texts(self.span, r.classes.quote_led)
+        return text if self.max_length is None else text[: self.max_length]
+
+
+class _Number:
+    """A number's sign is a position of its own, a minus or a blank (JSON allows whitespace before a value),
+    so that the digits' first position can hold only a digit and a lone minus cannot be written."""
+
+    def __init__(self, budget: int, signed: bool, integer: bool):
+        self.budget, self.signed, self.integer = budget, signed, integer
+
+    def layout(self, b: _Layout) -> None:
+        c = b.classes
+        rest = c.digits | c.after_value if self.integer else c.digits | c.dot | c.after_value
+        sign = [c.minus | c.blank] if self.signed and bool(c.blank.any()) else []
+        first = c.digits | c.minus if self.signed and not sign else c.digits
+        self.has_sign = bool(sign)
+        self.span = b.hole([*sign, first] + [rest] * (self.budget - 1))
+
+    def read(self, r: _Read) -> int | float:
+        digits = slice(self.span.start + self.has_sign, self.span.stop)
+        text, _ = r.texts(digits, r.classes.after_value)
+        m = re.match(r"-?\d+" if self.integer else r"-?\d+(\.\d+)?", text)
+        if m is None:  # only without a blank token in the vocabulary: a lone minus
+            raise _Invalid(f"{text!r} is not a number")
+        negative = self.has_sign and r.classes.texts[r.tokens[self.span.start]] == "-"
+        number = ("-" if negative else "") + m.group(0)
+        return int(number) if self.integer or m.group(1) is None else float(number)
+
+
+class _Choice:
+    def __init__(self, options: list[Any]):
+        self.options = options
+
+    def layout(self, b: _Layout) -> None:
+        c = b.classes
+        self.ids = [c.tokenizer.encode(_dumps(o), add_special_tokens=False) for o in self.options]
+        n = max(len(i) for i in self.ids)
+        masks = []
+        for k in range(n):
+            mask = c.after_value.clone() if any(len(i) <= k for i in self.ids) else torch.zeros_like(c.after_value)
+            mask[[i[k] for i in self.ids if len(i) > k]] = True
+            masks.append(mask)
+        self.span = b.hole(masks)
+
+    def read(self, r: _Read) -> Any:
+        got = r.tokens[self.span]
+        for option, ids in zip(self.options, self.ids, strict=True):
+            if got[: len(ids)] == ids and (len(ids) == len(got) or bool(r.classes.after_value[got[len(ids)]])):
+                return option
+        return self.options[r.score(self.span.start, self.ids)]
+
+
+class _Object:
+    def __init__(self, properties: list[tuple[str, Any]]):
+        self.properties = properties
+
+    def layout(self, b: _Layout) -> None:
+        b.text("{")
+        for i, (key, node) in enumerate(self.properties):
+            b.text(("," if i else "") + _dumps(key) + ":")
+            node.layout(b)
+        b.text("}")
+
+    def read(self, r: _Read) -> dict:
+        return {key: node.read(r) for key, node in self.properties}
+
+
+class _Array:
+    def __init__(self, items: list[Any], min_items: int):
+        self.items, self.min_items = items, min_items
+
+    def layout(self, b: _Layout) -> None:
+        c = b.classes
+        b.text("[")
+        self.seps: list[slice | None] = []
+        for i, node in enumerate(self.items):
+            if i < self.min_items:
+                b.text("," if i else "")
+                self.seps.append(None)
+            else:  # the array may end here: a `]`, or (before the first item, blank; after one, a comma)
+                more = c.comma_led if i else c.blank
+                self.seps.append(b.hole([more | c.close_led]))
+            node.layout(b)
+        b.text("]")
+
+    def read(self, r: _Read) -> list:
+        out = []
+        for sep, node in zip(self.seps, self.items, strict=True):
+            if sep is not None and bool(r.classes.close_led[r.tokens[sep.start]]):
+                break
+            out.append(node.read(r))
+        return out
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling a schema
+
+
+def _refuse(path: str, message: str) -> StructuredOutputError:
+    return StructuredOutputError(f"schema{path}: {message}")
+
+
+def _node(schema: Any, path: str, depth: int):
+    """The node of one (sub)schema; StructuredOutputError names what is not supported, and where."""
+    if not isinstance(schema, dict):
+        raise _refuse(path, "must be an object")
+    if depth > MAX_DEPTH:
+        raise _refuse(path, f"nests deeper than {MAX_DEPTH} levels")
+    if "const" in schema:
+        return _Const(schema["const"])
+    if "enum" in schema:
+        options = schema["enum"]
+        if not isinstance(options, list) or not options or len(options) > 64:
+            raise _refuse(path, "enum must be a list of 1 to 64 values")
+        return _Const(options[0]) if len(options) == 1 else _Choice(list(options))
+    kind = schema.get("type", "object" if "properties" in schema else None)
+    if not isinstance(kind, str) or kind not in _KEYWORDS:
+        raise _refuse(path, f"type must be one of {sorted(_KEYWORDS)} (got {kind!r}); unions are not supported")
+    unknown = set(schema) - _KEYWORDS[kind] - _ANNOTATIONS - {"type"}
+    if unknown:
+        raise _refuse(path, f"{sorted(unknown)} not supported for type {kind!r} (supported: {sorted(_KEYWORDS[kind])})")
+    build = {"object": _object, "array": _array, "string": _string, "boolean": _boolean, "null": _null}
+    if kind in ("integer", "number"):
+        return _number(schema, kind == "integer")
+    return build[kind](schema, path, depth)
+
+
+def _object(schema: dict, path: str, depth: int) -> _Object:
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise _refuse(path, "properties must be an object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or any(k not in props for k in required):
+        raise _refuse(path, "required must list keys of properties")
+    if schema.get("additionalProperties", False) not in (False, True):
+        raise _refuse(path, "additionalProperties must be false or true (a schema for extra keys is not supported)")
+    return _Object([(k, _node(v, f"{path}.properties.{k}", depth + 1)) for k, v in props.items()])
+
+
+def _array(schema: dict, path: str, depth: int) -> _Array:
+    low, high = schema.get("minItems", 0), schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0)))
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (low, high)) or not 0 <= low <= high:
+        raise _refuse(path, "minItems and maxItems must be integers with 0 <= minItems <= maxItems")
+    if high > MAX_ITEMS:
+        raise _refuse(path, f"maxItems is at most {MAX_ITEMS} here (got {high})")
+    if "items" not in schema:
+        raise _refuse(path, "an array needs items (the schema of its elements)")
+    items = [_node(schema["items"], f"{path}.items", depth + 1) for _ in range(high)]
+    return _Array(items, low)
+
+
+def _string(schema: dict, path: str, depth: int) -> _String:
+    high = schema.get("maxLength")
+    low = schema.get("minLength", 0)
+    for name, value in (("maxLength", high), ("minLength", low)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise _refuse(path, f"{name} must be a non-negative integer")
+    budget = DEFAULT_STRING_TOKENS if high is None else min(high + 1, MAX_STRING_TOKENS)
+    return _String(max(budget, low + 1, 1), low, high)
+
+
+def _number(schema: dict, integer: bool) -> _Number:
+    bounds = [schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
+    if any(not isinstance(v, int | float) or isinstance(v, bool) for v in bounds):
+        raise StructuredOutputError("schema: minimum and maximum must be numbers")
+    low = min([schema.get("minimum", -1), schema.get("exclusiveMinimum", -1)])
+    signed = not ("minimum" in schema or "exclusiveMinimum" in schema) or low < 0
+    digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
+    return _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
+
+
+def _boolean(schema: dict, path: str, depth: int) -> _Choice:
+    return _Choice([True, False])
+
+
+def _null(schema: dict, path: str, depth: int) -> _Const:
+    return _Const(None)
+
+
+@dataclass
+class JsonPlan:
+    """A schema compiled for one tokenizer: the template to fill, its allowed tokens, and the tree of
+    values that reads the answer back."""
+
+    schema: dict
+    template: list[int | None]
+    allowed: list[torch.Tensor | None]
+    root: Any
+    classes: TokenClasses
+
+
+def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int, end_id: int) -> JsonPlan:
+    """Check `schema` (jsonschema's own check first) and lay it out as a template (see the module
+    docstring), padded with `end_id` to the end of its last canvas."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
+    root = _node(schema, "", 0)
+    b = _Layout(_classes(tokenizer, vocab_size))
+    root.layout(b)
+    b.flush()
+    if not any(x is None for x in b.template):
+        raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
+    pad = -len(b.template) % canvas_length
+    return JsonPlan(schema, b.template + [end_id] * pad, b.allowed + [None] * pad, root, b.classes)
+
+
+@functools.lru_cache(maxsize=8)
+def _classes(tokenizer, vocab_size: int) -> TokenClasses:
+    return TokenClasses(tokenizer, vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Generating
+
+
+@dataclass
+class JsonResult:
+    value: Any  # the answer, validated against the schema
+    text: str  # its JSON text (compact)
+    attempts: int  # fills run (1 + retries used)
+    steps: int  # denoising steps over all attempts
+    result: GenerationResult  # the last fill
+    errors: list[str] = field(default_factory=list)  # why earlier attempts were drawn again
+
+
+def generate_json(
+    model: Runner | Any,
+    prompt,
+    schema: dict,
+    params: SamplingParams | None = None,
+    *,
+    tokenizer,
+    retries: int = DEFAULT_RETRIES,
+    **overrides,
+) -> JsonResult:
+    """An answer to `prompt` (text or token ids, one row) that is JSON valid against `schema`.
+
+    The schema is compiled into a template with constrained holes and filled (see the module docstring);
+    an answer that fails validation is drawn again with the next seed, up to `retries` times, then
+    StructuredOutputError. `overrides` set SamplingParams fields (seed, steps, sampler, ...).
+    """
+    import jsonschema
+
+    runner = as_runner(model)
+    m = runner.model
+    if not isinstance(retries, int) or not 0 <= retries <= 8:
+        raise ValueError("retries must be an integer in [0, 8]")
+    rows = prompt_rows(prompt, tokenizer)
+    if len(rows) != 1:
+        raise ValueError("generate_json takes one prompt")
+    plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0])
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    seed = overrides.pop("seed", None if params is None else params.seed)
+    errors, steps = [], 0
+    for attempt in range(retries + 1):
+        s = None if seed is None else seed + attempt
+        result = fill(runner, plan.template, rows[0], params, allowed=plan.allowed, seed=s, **overrides)
+        steps += sum(result.stats.steps_per_canvas[0])
+        value, error = _read_answer(runner, plan, rows[0], result.tokens[0], validator)
+        if error is None:
+            return JsonResult(value, _dumps(value), attempt + 1, steps, result, errors)
+        errors.append(error)
+    raise StructuredOutputError(f"no answer valid against the schema in {retries + 1} attempts (last: {errors[-1]})")
+
+
+def _read_answer(runner: Runner, plan: JsonPlan, prompt: list[int], tokens: list[int], validator):
+    """The value the filled template holds and None, or None and why it is not valid."""
+    from .editing import continuation_logprobs
+
+    def score(position: int, options: list[list[int]]) -> int:
+        context = prompt + tokens[:position]
+        following = plan.template[position + max(len(o) for o in options) :][:8]
+        after = list(itertools.takewhile(lambda t: t is not None, following))  # the pinned run after the hole
+        lp = continuation_logprobs(runner, context, [o + after for o in options])
+        return max(range(len(options)), key=lambda i: float(lp[i].sum()))
+
+    try:
+        value = plan.root.read(_Read(tokens, plan.classes, score))
+    except _Invalid as e:
+        return None, str(e)
+    error = next(iter(validator.iter_errors(value)), None)
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
+        return None, f"{error.message}" + (f" (at {where})" if where else "")
+    return value, None

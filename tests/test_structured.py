@@ -1,0 +1,172 @@
+"""Structured output: answers parse and validate against their schema (checked with jsonschema), keys are
+pinned, values keep to their types' tokens, unsupported schemas are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+import dgemma
+from dgemma.structured import (
+    StructuredOutputError,
+    _Choice,
+    _Layout,
+    _Read,
+    _read_answer,
+    compile_schema,
+    generate_json,
+)
+from dgemma.tasks.code import MODEL_DIR
+
+KW = dict(max_denoising_steps=6)
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "height": {"type": "number"},
+        "member": {"type": "boolean"},
+        "pet": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "integer", "minimum": 0}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "kind": {"const": "person"},
+        "note": {"type": "null"},
+    },
+    "required": ["name", "age", "height", "member", "pet", "tags", "address", "kind", "note"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def code():
+    """The shipped code model: a real trained tokenizer (byte-level BPE) and a model that writes text."""
+    return dgemma.load(MODEL_DIR, dtype="fp32"), dgemma.Tokenizer.from_dir(MODEL_DIR)
+
+
+def _plan(code, schema):
+    model, tok = code
+    return compile_schema(schema, tok, model.text_config.vocab_size, model.config.canvas_length, 1)
+
+
+def test_answers_validate_and_keep_the_schema_shape(code):
+    model, tok = code
+    plan = _plan(code, PERSON)
+    assert len(plan.template) > model.config.canvas_length  # this schema spans two canvases
+    for seed in range(3):
+        out = generate_json(model, "# a person\nperson = ", PERSON, tokenizer=tok, seed=seed, retries=4, **KW)
+        jsonschema.validate(out.value, PERSON)
+        assert json.loads(out.text) == out.value
+        assert list(out.value) == list(PERSON["properties"])  # every key, in the schema's order
+        assert out.value["kind"] == "person" and out.value["note"] is None
+        assert 2 <= len(out.value["name"]) <= 12
+        assert out.steps >= out.attempts
+
+
+def test_the_template_pins_keys_and_each_hole_keeps_to_its_type(code):
+    model, tok = code
+    plan = _plan(code, PERSON)
+    pinned = tok.decode([t for t in plan.template if t is not None])
+    for key in ('{"name":"', '"age":', '"address":{"city":"', '"kind":"person"', '"note":null}'):
+        assert key in pinned
+    out = generate_json(model, "x = ", PERSON, tokenizer=tok, seed=5, retries=4, **KW)
+    tokens = out.result.tokens[0]
+    for i, (t, mask) in enumerate(zip(tokens, plan.allowed, strict=True)):
+        if plan.template[i] is not None:
+            assert t == plan.template[i]
+        elif mask is not None:
+            assert bool(mask[t]), f"position {i} holds {tok.token_texts[t]!r}, outside its set"
+
+
+def test_a_string_closes_at_its_quote_and_what_follows_is_dropped(code):
+    tok = code[1]
+    plan = _plan(code, {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10}}})
+    string = plan.root.properties[0][1]
+    tokens = list(plan.template)
+    ids = tok.encode('Ann Lee","x', add_special_tokens=False)
+    body = [t if t is not None else ids[0] for t in tokens]
+    body[string.span] = (ids + ids)[: string.span.stop - string.span.start]
+    assert string.read(_Read(body, plan.classes, None)) == "Ann Lee"
+
+
+def test_choices_that_spell_no_option_are_scored_by_the_encoder(code):
+    tok = code[1]
+    node = _Choice(["alpha", "beta", "gamma"])
+    b = _Layout(_plan(code, {"type": "boolean"}).classes)
+    b.text('{"x":')
+    node.layout(b)
+    b.text("}")
+    b.flush()
+    digit, close = (tok.encode(x, add_special_tokens=False)[0] for x in ("1", "}"))
+    tokens = [t if t is not None else digit for t in b.template]
+    asked = []
+    got = node.read(_Read(tokens, b.classes, lambda pos, opts: asked.append(pos) or 2))
+    assert got == "gamma" and asked == [node.span.start]  # no option spelled: the scorer decides
+    ids = node.ids[1]
+    hole = node.span.stop - node.span.start
+    spelled = tokens[: node.span.start] + (ids + [close] * hole)[:hole] + tokens[node.span.stop :]
+    assert node.read(_Read(spelled, b.classes, None)) == "beta"  # spelled, then a token that ends a value
+
+
+def test_the_encoder_scores_pick_the_likeliest_option(code):
+    model, tok = code
+    schema = {"type": "object", "properties": {"v": {"enum": ["True", "None", "self"]}}}
+    plan = _plan(code, schema)
+    prompt = tok.encode("def f(x):\n    return ", add_special_tokens=False)
+    choice = plan.root.properties[0][1]
+    filler = tok.encode("1", add_special_tokens=False)[0]
+    tokens = [t if t is not None else filler for t in plan.template]
+    validator = jsonschema.Draft202012Validator(schema)
+    value, error = _read_answer(model, plan, prompt, tokens, validator)
+    assert error is None
+    from dgemma.editing import continuation_logprobs
+
+    context = prompt + tokens[: choice.span.start]
+    after = [t for t in plan.template[choice.span.stop :] if t is not None][:1]
+    scores = [float(lp.sum()) for lp in continuation_logprobs(model, context, [o + after for o in choice.ids])]
+    assert value["v"] == choice.options[max(range(3), key=scores.__getitem__)]
+
+
+def test_a_schema_no_answer_can_meet_fails_clearly_after_its_retries(code):
+    model, tok = code
+    impossible = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}
+    with pytest.raises(StructuredOutputError, match="in 2 attempts"):
+        generate_json(model, "x = ", impossible, tokenizer=tok, seed=0, retries=1, **KW)
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"type": "string", "pattern": "a+"}, r"\['pattern'\] not supported"),
+        ({"anyOf": [{"type": "string"}]}, "type must be one of"),
+        ({"type": ["string", "null"]}, "unions are not supported"),
+        ({"$ref": "#/$defs/x", "type": "object"}, r"\['\$ref'\] not supported"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, r"schema.properties.a"),
+        ({"type": "array", "items": {"type": "string"}, "maxItems": 1000}, "maxItems is at most"),
+        ({"type": "array"}, "needs items"),
+        ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties"),
+        ({"type": "integer", "minimum": "3"}, "not a valid JSON schema"),
+        ({"const": 3}, "nothing to generate"),
+    ],
+)
+def test_unsupported_or_invalid_schemas_are_refused_by_name(code, schema, message):
+    with pytest.raises(StructuredOutputError, match=message):
+        _plan(code, schema)
+
+
+def test_cli_json_schema(code, tmp_path, capsys):
+    from dgemma.cli import main
+
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(PERSON))
+    rc = main(["generate", "-m", str(MODEL_DIR), "--raw", "-p", "p = ", "--json-schema", str(path), "--seed", "1"])
+    assert rc == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), PERSON)
+    assert main(["generate", "-m", str(MODEL_DIR), "--raw", "-p", "p", "--json-schema", str(path), "--ar"]) != 0
+    assert "leave out --ar" in capsys.readouterr().err
