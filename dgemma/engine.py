@@ -59,6 +59,7 @@ class EngineRequest:
     prompt: list[int] | list[list[int]]  # one row, or several (left-padded, as dgemma.generate takes them)
     params: SamplingParams | dict  # or a dict of SamplingParams fields
     pins: torch.Tensor | None = None
+    allowed: object = None  # constraints.Allowed: tokens each generated position may hold
     pixels: object = None  # vision.Pixels of the prompt's images
     want_drafts: bool = False
     timeout: float | None = None  # seconds from submission
@@ -211,7 +212,8 @@ class Engine:
             request._rng_state = self._rng_state()  # seeded (or not) by prepare, then kept apart
         try:
             with self._own_rng(request):
-                request._loop = prepare(self.runner, request.prompt, params, pins=request.pins, pixels=request.pixels)
+                r = request
+                r._loop = prepare(self.runner, r.prompt, params, pins=r.pins, allowed=r.allowed, pixels=r.pixels)
         except Exception as e:  # a bad request must not stop the engine
             self.stats.requests_failed += 1
             request.events.put(e)

@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from .editing import end_of_text_ids, fill
+from .constraints import Allowed
+from .editing import continuation_logprobs, end_of_text_ids, fill
 from .generate import GenerationResult, SamplingParams, prompt_rows
 from .runner import Runner, as_runner
 
@@ -200,7 +201,7 @@ class _Const:
         self.value = value
 
     def layout(self, b: _Layout) -> None:
-        b.text(_dumps(self.value))
+        b.text(json_text(self.value))
 
     def read(self, r: _Read) -> Any:
         return self.value
@@ -255,7 +256,7 @@ class _Choice:
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
-        self.ids = [c.tokenizer.encode(_dumps(o), add_special_tokens=False) for o in self.options]
+        self.ids = [c.tokenizer.encode(json_text(o), add_special_tokens=False) for o in self.options]
         n = max(len(i) for i in self.ids)
         masks = []
         for k in range(n):
@@ -279,7 +280,7 @@ class _Object:
     def layout(self, b: _Layout) -> None:
         b.text("{")
         for i, (key, node) in enumerate(self.properties):
-            b.text(("," if i else "") + _dumps(key) + ":")
+            b.text(("," if i else "") + json_text(key) + ":")
             node.layout(b)
         b.text("}")
 
@@ -314,7 +315,8 @@ class _Array:
         return out
 
 
-def _dumps(value: Any) -> str:
+def json_text(value: Any) -> str:
+    """Compact JSON, as answers and templates write it."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -405,14 +407,55 @@ def _null(schema: dict, path: str, depth: int) -> _Const:
 
 @dataclass
 class JsonPlan:
-    """A schema compiled for one tokenizer: the template to fill, its allowed tokens, and the tree of
-    values that reads the answer back."""
+    """What to fill for one JSON answer and how to read it back: a schema's template with its allowed
+    tokens and the tree of its values, or (no schema: any JSON object) a `{` and holes of free text."""
 
-    schema: dict
+    schema: dict | None
     template: list[int | None]
-    allowed: list[torch.Tensor | None]
+    allowed: list[torch.Tensor | None] | None
     root: Any
     classes: TokenClasses
+    validator: Any = None
+
+    def pins(self) -> torch.Tensor:
+        """The template as fill's pins [1, length] (-1 at the holes)."""
+        return torch.tensor([[-1 if t is None else t for t in self.template]], dtype=torch.long)
+
+    def constraints(self) -> Allowed | None:
+        """The allowed tokens as generate's `allowed` (None for a free object)."""
+        return None if self.allowed is None else Allowed.from_sets([self.allowed], self.classes.vocab_size)
+
+    def read(self, model: Runner | Any, prompt: list[int], tokens: list[int]) -> tuple[Any, str | None]:
+        """The answer a fill of this plan holds and None, or None and why it is not valid (model passes,
+        to score a choice: run it where the model runs)."""
+        if self.schema is None:
+            return _first_object(self.classes.tokenizer.decode(tokens))
+        runner = as_runner(model)
+
+        def score(position: int, options: list[list[int]]) -> int:
+            following = self.template[position + max(len(o) for o in options) :][:8]
+            after = list(itertools.takewhile(lambda t: t is not None, following))  # the pinned run after the hole
+            lp = continuation_logprobs(runner, prompt + tokens[:position], [o + after for o in options])
+            return max(range(len(options)), key=lambda i: float(lp[i].sum()))
+
+        try:
+            value = self.root.read(_Read(tokens, self.classes, score))
+        except _Invalid as e:
+            return None, str(e)
+        error = next(iter(self.validator.iter_errors(value)), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path)
+            return None, error.message + (f" (at {where})" if where else "")
+        return value, None
+
+
+def _first_object(text: str) -> tuple[Any, str | None]:
+    """The JSON object `text` starts with (what follows it is dropped), or why there is none."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError as e:
+        return None, f"the answer is not a JSON object ({e.msg} at character {e.pos})"
+    return (value, None) if isinstance(value, dict) else (None, "the answer is JSON but not an object")
 
 
 def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int, end_id: int) -> JsonPlan:
@@ -421,7 +464,8 @@ def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int,
     import jsonschema
 
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        validator = jsonschema.validators.validator_for(schema)
+        validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
     root = _node(schema, "", 0)
@@ -431,7 +475,17 @@ def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int,
     if not any(x is None for x in b.template):
         raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
-    return JsonPlan(schema, b.template + [end_id] * pad, b.allowed + [None] * pad, root, b.classes)
+    template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
+    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema))
+
+
+def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
+    """Any JSON object (response_format json_object): a pinned `{` and `length` - 1 free positions; the
+    answer is the object the text starts with."""
+    opening = tokenizer.encode("{", add_special_tokens=False)
+    if not 0 < len(opening) < length:
+        raise StructuredOutputError(f"a JSON object needs more than {len(opening)} tokens (got {length})")
+    return JsonPlan(None, opening + [None] * (length - len(opening)), None, None, _classes(tokenizer, vocab_size))
 
 
 @functools.lru_cache(maxsize=8)
@@ -456,60 +510,48 @@ class JsonResult:
 def generate_json(
     model: Runner | Any,
     prompt,
-    schema: dict,
+    schema: dict | None,
     params: SamplingParams | None = None,
     *,
     tokenizer,
     retries: int = DEFAULT_RETRIES,
+    max_new_tokens: int | None = None,
     **overrides,
 ) -> JsonResult:
     """An answer to `prompt` (text or token ids, one row) that is JSON valid against `schema`.
 
     The schema is compiled into a template with constrained holes and filled (see the module docstring);
-    an answer that fails validation is drawn again with the next seed, up to `retries` times, then
-    StructuredOutputError. `overrides` set SamplingParams fields (seed, steps, sampler, ...).
+    `schema=None` asks for any JSON object, in at most `max_new_tokens` (default: the checkpoint's), as
+    free text after a pinned `{`. An answer that fails is drawn again with the next seed, up to `retries`
+    times, then StructuredOutputError. `overrides` set SamplingParams fields (seed, steps, sampler, ...).
     """
-    import jsonschema
-
     runner = as_runner(model)
     m = runner.model
-    if not isinstance(retries, int) or not 0 <= retries <= 8:
+    if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 8:
         raise ValueError("retries must be an integer in [0, 8]")
     rows = prompt_rows(prompt, tokenizer)
     if len(rows) != 1:
         raise ValueError("generate_json takes one prompt")
-    plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0])
-    validator = jsonschema.validators.validator_for(schema)(schema)
+    if schema is None:
+        plan = object_plan(tokenizer, m.text_config.vocab_size, max_new_tokens or m.generation_config.max_new_tokens)
+    elif max_new_tokens is not None:
+        raise ValueError("max_new_tokens does not apply with a schema: the schema sizes the answer")
+    else:
+        end = end_of_text_ids(m)[0]
+        plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
     seed = overrides.pop("seed", None if params is None else params.seed)
     errors, steps = [], 0
     for attempt in range(retries + 1):
         s = None if seed is None else seed + attempt
         result = fill(runner, plan.template, rows[0], params, allowed=plan.allowed, seed=s, **overrides)
         steps += sum(result.stats.steps_per_canvas[0])
-        value, error = _read_answer(runner, plan, rows[0], result.tokens[0], validator)
+        value, error = plan.read(runner, rows[0], result.tokens[0])
         if error is None:
-            return JsonResult(value, _dumps(value), attempt + 1, steps, result, errors)
+            return JsonResult(value, json_text(value), attempt + 1, steps, result, errors)
         errors.append(error)
-    raise StructuredOutputError(f"no answer valid against the schema in {retries + 1} attempts (last: {errors[-1]})")
+    raise unsatisfied(retries + 1, errors[-1])
 
 
-def _read_answer(runner: Runner, plan: JsonPlan, prompt: list[int], tokens: list[int], validator):
-    """The value the filled template holds and None, or None and why it is not valid."""
-    from .editing import continuation_logprobs
-
-    def score(position: int, options: list[list[int]]) -> int:
-        context = prompt + tokens[:position]
-        following = plan.template[position + max(len(o) for o in options) :][:8]
-        after = list(itertools.takewhile(lambda t: t is not None, following))  # the pinned run after the hole
-        lp = continuation_logprobs(runner, context, [o + after for o in options])
-        return max(range(len(options)), key=lambda i: float(lp[i].sum()))
-
-    try:
-        value = plan.root.read(_Read(tokens, plan.classes, score))
-    except _Invalid as e:
-        return None, str(e)
-    error = next(iter(validator.iter_errors(value)), None)
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path)
-        return None, f"{error.message}" + (f" (at {where})" if where else "")
-    return value, None
+def unsatisfied(attempts: int, last: str) -> StructuredOutputError:
+    """The error after the last attempt."""
+    return StructuredOutputError(f"no valid JSON answer in {attempts} attempts (the last: {last})")

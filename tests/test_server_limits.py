@@ -237,7 +237,6 @@ def test_a_timed_out_stream_counts_what_it_sent(app_factory):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
         ("logprobs", True),
         ("top_logprobs", 2),
         ("logit_bias", {"5": 10}),

@@ -14,7 +14,6 @@ from dgemma.structured import (
     _Choice,
     _Layout,
     _Read,
-    _read_answer,
     compile_schema,
     generate_json,
 )
@@ -122,8 +121,7 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
     choice = plan.root.properties[0][1]
     filler = tok.encode("1", add_special_tokens=False)[0]
     tokens = [t if t is not None else filler for t in plan.template]
-    validator = jsonschema.Draft202012Validator(schema)
-    value, error = _read_answer(model, plan, prompt, tokens, validator)
+    value, error = plan.read(model, prompt, tokens)
     assert error is None
     from dgemma.editing import continuation_logprobs
 

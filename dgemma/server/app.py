@@ -38,6 +38,7 @@ from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
 from . import choices as runs
 from .guard import Guard
+from .json_answers import json_finish, json_plan
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .output import extract_tool_calls, new_id
@@ -313,8 +314,11 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         tools=tools,
     )
     requested, param = body.requested_tokens
-    max_tokens = _budget(served, requested, len(prompt), param, "messages")
-    params = _resolve(served, body.sampling(max_tokens))
+    shaped = await _json_request(served, body, [prompt], requested, param, "messages")
+    if shaped is None:
+        params = _resolve(served, body.sampling(_budget(served, requested, len(prompt), param, "messages")))
+    else:
+        params = _resolve(served, shaped.params)
     choices = runs.submit(
         served.engine,
         [prompt],
@@ -322,11 +326,13 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         body.n,
         stops=body.stop,
         reasoning=body.reasoning,
+        pins=None if shaped is None else shaped.pins,
+        allowed=None if shaped is None else shaped.allowed,
         pixels=pixels,
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
     )
-    pieces = runs.run(choices, served.decode, http.is_disconnected)
+    pieces = runs.run(choices, served.decode, http.is_disconnected, finish=None if shaped is None else shaped.finish)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _Chunks(served, chat=True)
@@ -334,6 +340,42 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         stream = _stream(chunks, pieces, choices, opening, len(prompt), usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
+
+
+@dataclass
+class _JsonRequest:
+    """What a JSON response_format adds to a request: the template's pins, its allowed tokens, the
+    settings (the template's length; no stop tokens, no early commit) and the finish that reads it."""
+
+    pins: object  # torch.Tensor [1, length]
+    allowed: object  # constraints.Allowed
+    params: SamplingParams
+    finish: object
+
+
+async def _json_request(served: _Served, body, prompts: list[list[int]], requested, param: str, prompt_param: str):
+    """The JSON plan of a request with a json_object / json_schema response_format, or None."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+        raise ApiError(400, "response_format: a JSON answer does not go with tools (use tool_choice 'none')", "tools")
+    if getattr(body, "reasoning", False) or getattr(body, "suffix", None) is not None:
+        other = "reasoning" if getattr(body, "reasoning", False) else "suffix"
+        raise ApiError(400, f"{other}: does not go with a JSON response_format (the answer is the JSON)", other)
+    longest = max(len(p) for p in prompts)
+
+    def length() -> int:
+        return _budget(served, requested, longest, param, prompt_param)
+
+    plan = await _tokenize(served, json_plan, fmt, served.tokenizer, served.model, length, param="response_format")
+    n = len(plan.template)
+    if requested is not None and requested < n:
+        raise ApiError(400, f"{param} is {requested}, but the schema's answer takes {n} tokens", param)
+    _budget(served, n, longest, param, prompt_param)
+    params = replace(body.sampling(n), stop_token_ids=[], early_commit=False)
+    finish = json_finish(served.engine, plan, prompts, body.n, served.tokenizer)
+    return _JsonRequest(plan.pins(), plan.constraints(), params, finish)
 
 
 async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:
@@ -514,8 +556,11 @@ def _choose_middle(served: _Served, plan: InfillPlan):
 async def _completions(served: _Served, body: CompletionRequest, http: Request):
     _check_model(served, body.model)
     prompts = await _completion_prompts(served, body)
-    rows, pins, finish, plan = prompts, None, None, None
-    if body.suffix is not None:  # one prompt (the request model says so); its rows are the plan's
+    rows, pins, allowed, finish, plan = prompts, None, None, None, None
+    shaped = await _json_request(served, body, prompts, body.max_tokens, "max_tokens", "prompt")
+    if shaped is not None:
+        pins, allowed, finish, params = shaped.pins, shaped.allowed, shaped.finish, shaped.params
+    elif body.suffix is not None:  # one prompt (the request model says so); its rows are the plan's
         plan = await _infill_plan(served, body, prompts[0])
         rows, pins, finish = [plan.prompts], plan.pins(), _choose_middle(served, plan)
         params = replace(body.sampling(pins.shape[1]), stop_token_ids=[], early_commit=False)
@@ -530,6 +575,7 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         stops=body.stop,
         reasoning=False,
         pins=pins,
+        allowed=allowed,
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -13,6 +14,7 @@ import torch
 
 from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout, ShuttingDown
 from ..generate import DoneEvent, DraftEvent, GenerationResult, SamplingParams, TokensEvent
+from ..structured import StructuredOutputError
 from .output import StreamText
 from .protocol import ApiError
 
@@ -56,6 +58,7 @@ class Choice:
     ended: bool = False
     row: int = 0  # the row of the request's result that is this choice's output (an infill's chosen length)
     details: dict = field(default_factory=dict)  # what the answer says of this choice in its `dgemma` block
+    answer: str | None = None  # the text to send, when a finish writes it (a JSON answer) rather than decoding
 
 
 # After a choice's request is done: its output tokens and the row they come from (see run's `finish`).
@@ -68,6 +71,8 @@ def as_api_error(event: Exception) -> ApiError:
         return ApiError(504, str(event), kind="timeout_error", code="timeout")
     if isinstance(event, ShuttingDown):
         return ApiError(503, str(event), kind="server_error", code="shutting_down")
+    if isinstance(event, StructuredOutputError):
+        return ApiError(422, str(event), "response_format", code="json_unsatisfied")
     if isinstance(event, ValueError):
         return ApiError(400, str(event))
     log.error("generation failed: %r", event)
@@ -83,6 +88,7 @@ def submit(
     stops: list[str] | None,
     reasoning: bool,
     pins: torch.Tensor | None = None,
+    allowed=None,
     pixels=None,
     want_drafts: bool = False,
     timeout: float | None = None,
@@ -98,21 +104,47 @@ def submit(
         for i in range(n):
             seed = None if params.seed is None else (params.seed + i) % 2**63
             req = EngineRequest(
-                prompt, replace(params, seed=seed), pins=pins, pixels=pixels, want_drafts=want_drafts, timeout=timeout
+                prompt, replace(params, seed=seed), pins, allowed, pixels, want_drafts=want_drafts, timeout=timeout
             )
-            req.events = _Sink(loop)
             try:
-                engine.submit(req)
-            except (QueueFull, ShuttingDown) as e:
+                _submit(engine, req, loop)
+            except ApiError:
                 for c in choices:
                     c.request.cancel()
-                if isinstance(e, ShuttingDown):
-                    raise as_api_error(e) from e
-                raise ApiError(
-                    429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-                ) from e
+                raise
             choices.append(Choice(j * n + i, req, StreamText(stops, reasoning)))
     return choices
+
+
+def _submit(engine: Engine, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> None:
+    """Queue one request whose events go to an asyncio queue; a full queue is a 429, draining a 503."""
+    request.events = _Sink(loop)
+    try:
+        engine.submit(request)
+    except ShuttingDown as e:
+        raise as_api_error(e) from e
+    except QueueFull as e:
+        raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from e
+
+
+async def rerun(engine: Engine, request: EngineRequest, seed: int | None) -> GenerationResult:
+    """The same request again with another seed, to its end (a retry of an answer that did not validate);
+    the engine's error if it fails, cancelled if this is."""
+    timeout = None
+    if request.timeout is not None:  # the deadline stays the first request's
+        timeout = max(request.timeout - (time.monotonic() - request.submitted), 1e-3)
+    params = replace(request.params, seed=seed)
+    again = EngineRequest(request.prompt, params, request.pins, request.allowed, request.pixels, timeout=timeout)
+    _submit(engine, again, asyncio.get_running_loop())
+    try:
+        while True:
+            event = await again.events.queue.get()
+            if isinstance(event, Exception):
+                raise event
+            if isinstance(event, DoneEvent):
+                return event.result
+    finally:
+        again.cancel()
 
 
 def _tokens_covering(tokens: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:
@@ -131,7 +163,7 @@ def _on_tokens(choice: Choice, event, decode, final: bool) -> list[Piece]:
     """Text pieces from a choice's new final tokens; a stop string ends the choice here."""
     if isinstance(event, TokensEvent):
         choice.tokens.extend(event.tokens)
-    text = decode(choice.tokens)
+    text = decode(choice.tokens) if choice.answer is None else choice.answer
     pieces = [Piece(choice.index, kind, piece) for kind, piece in choice.text.feed(text, final=final)]
     if choice.text.stopped:
         choice.returned_tokens = _tokens_covering(choice.tokens, choice.text.cut, decode)

@@ -11,6 +11,7 @@ too, so that no parameter is ever silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +27,8 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
+MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, as JSON text
+MAX_SCHEMA_DEPTH = 32  # nesting of a schema's objects and lists (the compiler refuses deeper values itself)
 IMAGE_BUDGETS = Literal[SOFT_TOKEN_BUDGETS]  # the five budgets, as a request field's type
 
 
@@ -97,7 +100,6 @@ _NO_OP_VALUES: dict[str, tuple] = {
     "logit_bias": ({},),
     "logprobs": (False, 0),
     "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
     "reasoning_effort": (),
     "functions": ([],),
     "function_call": ("none",),
@@ -175,6 +177,51 @@ class Message(BaseModel):
         return [(j, p["image_url"]["url"]) for j, p in enumerate(parts) if p.get("type") == "image_url"]
 
 
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in `value` (iteratively: a hostile depth cannot recurse)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, d = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:
+                stack.extend((x, d + 1) for x in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = Field(default=None, max_length=4096)
+    schema_: JsonObject = Field(alias="schema")
+    strict: bool | None = None  # answers follow the schema by construction either way
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict) -> dict:
+        if _depth(value) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"is longer than {MAX_SCHEMA_CHARS} characters of JSON")
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     model_config = ConfigDict(extra="forbid")
@@ -206,6 +253,7 @@ class DiffusionSettings(BaseModel):
     early_commit_steps: int | None = setting_field("early_commit_steps")
     early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
+    response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured.py
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-text tokens
     # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
     top_p: Any = None
@@ -233,6 +281,15 @@ class DiffusionSettings(BaseModel):
             return value
         shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
         raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
+
+    @model_validator(mode="after")
+    def _json_needs_whole_answers(self):
+        kind = None if self.response_format is None else self.response_format.type
+        if kind in ("json_object", "json_schema") and self.stop:
+            raise PydanticCustomError(
+                "stop", "stop: does not apply with a JSON response_format (the JSON ends itself)", {"name": "stop"}
+            )
+        return self
 
     @model_validator(mode="after")
     def _streaming_only(self):
@@ -269,7 +326,6 @@ class ChatCompletionRequest(DiffusionSettings):
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: Any = None
-    response_format: Any = None
     reasoning_effort: Any = None
     functions: Any = None
     function_call: Any = None
