@@ -17,7 +17,7 @@ from .generate import GenerationResult, SamplingParams, Session, generate, strea
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
 from .runner import Runner, accelerate
-from .structured import generate_json
+from .structured import choose, generate_json
 from .tokenizer import Tokenizer
 from .weights import load, save
 
@@ -38,6 +38,7 @@ __all__ = [
     "__version__",
     "accelerate",
     "build",
+    "choose",
     "count_parameters",
     "edit",
     "fill",

@@ -168,3 +168,22 @@ def test_cli_json_schema(code, tmp_path, capsys):
     jsonschema.validate(json.loads(capsys.readouterr().out), PERSON)
     assert main(["generate", "-m", str(MODEL_DIR), "--raw", "-p", "p", "--json-schema", str(path), "--ar"]) != 0
     assert "leave out --ar" in capsys.readouterr().err
+
+
+def test_choose_scores_each_option_as_the_whole_answer(code):
+    model, tok = code
+    from dgemma.editing import continuation_logprobs, end_of_text_ids
+
+    prompt = tok.encode("def add(a, b):\n    return a", add_special_tokens=False)
+    options = [" + b", " - b", " banana"]
+    chosen = dgemma.choose(model, prompt, options, tokenizer=tok)
+    end = end_of_text_ids(model)[:1]
+    for option, score in zip(options, chosen.scores, strict=True):
+        ids = tok.encode(option, add_special_tokens=False) + end
+        alone = float(continuation_logprobs(model, prompt, [ids])[0].sum())
+        assert score == pytest.approx(alone, abs=1e-4)  # one row vs a padded batch: fp32 rounding of BLAS paths
+    assert chosen.option == options[chosen.index] and chosen.index == max(range(3), key=chosen.scores.__getitem__)
+    with pytest.raises(ValueError, match="options"):
+        dgemma.choose(model, prompt, [], tokenizer=tok)
+    with pytest.raises(ValueError, match="option 1"):
+        dgemma.choose(model, prompt, [[5], []])

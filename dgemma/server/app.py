@@ -38,11 +38,11 @@ from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
 from . import choices as runs
 from .guard import Guard
-from .json_answers import json_finish, json_plan
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .output import extract_tool_calls, new_id
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .structured import chosen_answers, json_finish, json_plan
 
 STATIC = Path(__file__).parent / "static"
 TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)
@@ -314,25 +314,12 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         tools=tools,
     )
     requested, param = body.requested_tokens
-    shaped = await _json_request(served, body, [prompt], requested, param, "messages")
-    if shaped is None:
-        params = _resolve(served, body.sampling(_budget(served, requested, len(prompt), param, "messages")))
+    if body.choices is not None:
+        if pixels is not None:
+            raise ApiError(400, "choices: options are scored on text prompts (leave out the images)", "choices")
+        choices, pieces = await _chosen(served, body, [prompt], requested, param)
     else:
-        params = _resolve(served, shaped.params)
-    choices = runs.submit(
-        served.engine,
-        [prompt],
-        params,
-        body.n,
-        stops=body.stop,
-        reasoning=body.reasoning,
-        pins=None if shaped is None else shaped.pins,
-        allowed=None if shaped is None else shaped.allowed,
-        pixels=pixels,
-        want_drafts=body.include_drafts and body.stream,
-        timeout=served.request_timeout,
-    )
-    pieces = runs.run(choices, served.decode, http.is_disconnected, finish=None if shaped is None else shaped.finish)
+        choices, pieces = await _chat_run(served, body, http, prompt, pixels)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _Chunks(served, chat=True)
@@ -376,6 +363,49 @@ async def _json_request(served: _Served, body, prompts: list[list[int]], request
     params = replace(body.sampling(n), stop_token_ids=[], early_commit=False)
     finish = json_finish(served.engine, plan, prompts, body.n, served.tokenizer)
     return _JsonRequest(plan.pins(), plan.constraints(), params, finish)
+
+
+async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
+    """The chat request's choices on the engine, and the pieces they give."""
+    requested, param = body.requested_tokens
+    shaped = await _json_request(served, body, [prompt], requested, param, "messages")
+    if shaped is None:
+        params = _resolve(served, body.sampling(_budget(served, requested, len(prompt), param, "messages")))
+    else:
+        params = _resolve(served, shaped.params)
+    choices = runs.submit(
+        served.engine,
+        [prompt],
+        params,
+        body.n,
+        stops=body.stop,
+        reasoning=body.reasoning,
+        pins=None if shaped is None else shaped.pins,
+        allowed=None if shaped is None else shaped.allowed,
+        pixels=pixels,
+        want_drafts=body.include_drafts and body.stream,
+        timeout=served.request_timeout,
+    )
+    finish = None if shaped is None else shaped.finish
+    return choices, runs.run(choices, served.decode, http.is_disconnected, finish=finish)
+
+
+async def _chosen(served: _Served, body, prompts: list[list[int]], requested: int | None, param: str):
+    """`choices`: each prompt's best-scored option (server/structured.py), within the context and the
+    length asked for."""
+    tok = served.tokenizer
+    _check_chars(served, sum(len(o) for o in body.choices), "choices")
+    lengths = [len(ids) for ids in await _tokenize(served, _encode_all, tok, body.choices, param="choices")]
+    if requested is not None and max(lengths) > requested:
+        raise ApiError(400, f"{param} is {requested}, but an option has {max(lengths)} tokens", param)
+    longest = max(len(p) for p in prompts)
+    if longest + max(lengths) + 1 > served.context:
+        raise ApiError(400, f"the prompt and the longest option exceed the context of {served.context}", "choices")
+    return await chosen_answers(served.engine, tok, prompts, body.choices)
+
+
+def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:
@@ -442,6 +472,7 @@ async def _chat_answer(served, body: ChatCompletionRequest, pieces, choices, pro
         "dgemma": {
             "steps_per_canvas": [c.steps_per_canvas for c in choices],
             "tokens_per_forward": [c.tokens_per_forward for c in choices],
+            **({"choices": [c.details for c in choices]} if any(c.details for c in choices) else {}),
         },
     }
 
@@ -556,6 +587,9 @@ def _choose_middle(served: _Served, plan: InfillPlan):
 async def _completions(served: _Served, body: CompletionRequest, http: Request):
     _check_model(served, body.model)
     prompts = await _completion_prompts(served, body)
+    if body.choices is not None:
+        choices, pieces = await _chosen(served, body, prompts, body.max_tokens, "max_tokens")
+        return await _completion_reply(served, body, choices, pieces, prompts, None)
     rows, pins, allowed, finish, plan = prompts, None, None, None, None
     shaped = await _json_request(served, body, prompts, body.max_tokens, "max_tokens", "prompt")
     if shaped is not None:
@@ -580,6 +614,11 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         timeout=served.request_timeout,
     )
     pieces = runs.run(choices, served.decode, http.is_disconnected, finish=finish)
+    return await _completion_reply(served, body, choices, pieces, prompts, plan)
+
+
+async def _completion_reply(served: _Served, body: CompletionRequest, choices, pieces, prompts, plan):
+    """The completion answer, streamed or whole, from the choices' pieces."""
     echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -615,4 +654,6 @@ async def _completion_answer(served, body: CompletionRequest, pieces, choices, e
     if plan is not None:  # the length given (None: chosen per choice), and each choice's
         fixed = plan.lengths[0] if len(plan.lengths) == 1 else None
         answer["dgemma"] = {"middle_length": fixed, "choices": [c.details for c in choices]}
+    elif any(c.details for c in choices):  # `choices` scores, JSON attempts
+        answer["dgemma"] = {"choices": [c.details for c in choices]}
     return answer

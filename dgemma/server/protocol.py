@@ -27,6 +27,8 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
+MAX_OPTIONS = 64  # `choices`: options of one request
+MAX_OPTION_CHARS = 1024
 MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, as JSON text
 MAX_SCHEMA_DEPTH = 32  # nesting of a schema's objects and lists (the compiler refuses deeper values itself)
 IMAGE_BUDGETS = Literal[SOFT_TOKEN_BUDGETS]  # the five budgets, as a request field's type
@@ -254,6 +256,10 @@ class DiffusionSettings(BaseModel):
     early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
     response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured.py
+    # extension: the answer is exactly one of these, the one the model scores best (dgemma.choose)
+    choices: list[Annotated[Text, Field(min_length=1, max_length=MAX_OPTION_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_OPTIONS
+    )
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-text tokens
     # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
     top_p: Any = None
@@ -281,6 +287,19 @@ class DiffusionSettings(BaseModel):
             return value
         shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
         raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
+
+    @model_validator(mode="after")
+    def _choices_alone(self):
+        """With `choices` nothing is sampled: a setting that would shape a sampled answer is refused."""
+        if self.choices is None:
+            return self
+        bad = sorted(self.model_fields_set - _WITH_CHOICES - set(_NO_OP_VALUES))
+        if self.n != 1:
+            bad = ["n", *bad]
+        if bad:
+            message = "{name}: does not apply with choices (the answer is the best-scored option)"
+            raise PydanticCustomError("choices", message, {"name": bad[0]})
+        return self
 
     @model_validator(mode="after")
     def _json_needs_whole_answers(self):
@@ -312,6 +331,12 @@ class DiffusionSettings(BaseModel):
             fields["stop_token_ids"] = []
         return SamplingParams(max_new_tokens=max_tokens, seed=self.seed, **fields)
 
+
+# the fields that apply with `choices`
+_WITH_CHOICES = frozenset(
+    {"model", "choices", "messages", "prompt", "user", "stream", "stream_options", "echo", "max_tokens"}
+    | {"max_completion_tokens"}
+)
 
 # the SamplingParams fields a request sets under their own names (seed, length and early commit are derived)
 _PASSED_THROUGH = frozenset(DiffusionSettings.model_fields) - {"seed", "max_new_tokens", "early_commit"}

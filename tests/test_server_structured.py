@@ -138,3 +138,59 @@ def test_a_schema_too_long_is_refused_before_it_is_compiled(server):
         {"messages": [{"role": "user", "content": "x"}], "response_format": _format(wide)},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+# -- choices: the answer is one of the options, the best scored ---------------------------------------------
+
+
+def test_chat_choices_answer_the_best_scored_option(client):
+    options = ["yes", "no", "maybe later"]
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "ok?"}], extra_body={"choices": options}
+    )
+    content = r.choices[0].message.content
+    details = r.model_extra["dgemma"]["choices"][0]
+    scores = details["choice_scores"]
+    assert content == options[details["choice_index"]] == options[max(range(3), key=scores.__getitem__)]
+    assert r.usage.completion_tokens > 0
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "ok?"}], stream=True, extra_body={"choices": options}
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+
+
+def test_completion_choices_match_the_python_api(server, client, model_dir):
+    import dgemma
+    from dgemma.testing import load_quiet
+
+    options = ["a b", "c", "d e f"]
+    r = client.completions.create(model="tiny", prompt=["x y", "z"], echo=True, extra_body={"choices": options})
+    model, tok = load_quiet(model_dir), dgemma.Tokenizer.from_dir(model_dir)
+    for choice, prompt in zip(r.choices, ["x y", "z"], strict=True):
+        want = dgemma.choose(model, tok.encode(prompt), options, tokenizer=tok)
+        assert choice.text == tok.decode(tok.encode(prompt)) + want.option
+        got = r.model_extra["dgemma"]["choices"][choice.index]["choice_scores"]
+        # the server scores on its own engine: the same passes, so the same numbers to fp32 rounding
+        assert got == pytest.approx(want.scores, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"choices": ["a"], "n": 2}, "n"),
+        ({"choices": ["a"], "temperature": 0.5}, "temperature"),
+        ({"choices": ["a"], "max_denoising_steps": 4}, "max_denoising_steps"),
+        ({"choices": ["a"], "seed": 1}, "seed"),
+        ({"choices": []}, "choices"),
+        ({"choices": [""]}, "choices.0"),
+        ({"choices": ["a"] * 65}, "choices"),
+        ({"choices": ["a" * 2000]}, "choices.0"),
+        ({"choices": ["a b c d e f g h"], "max_tokens": 1}, "max_tokens"),
+    ],
+)
+def test_bad_choices_requests_are_400s_naming_the_field(server, extra, param):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()

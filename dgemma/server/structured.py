@@ -1,5 +1,6 @@
-"""response_format on the server: a request's JSON plan (dgemma/structured.py) and the finish that reads
-each choice's answer back, validates it, and draws it again when it fails.
+"""Answers with a given shape on the server: response_format (a request's JSON plan, dgemma/structured.py,
+and the finish that reads each choice's answer back, validates it, and draws it again when it fails)
+and `choices` (the answer is the option the model scores best).
 
 A JSON answer is whole: its text is written from the values read back, so it is sent when the choice
 ends (one content piece when streaming), never token by token; `stop` does not apply (the request model
@@ -14,7 +15,8 @@ from collections.abc import Callable
 from ..engine import Engine
 from ..generate import GenerationResult
 from ..structured import DEFAULT_RETRIES, JsonPlan, compile_schema, json_text, object_plan, unsatisfied
-from .choices import Choice, Finish, rerun
+from .choices import Choice, Finish, Piece, rerun
+from .output import StreamText
 from .protocol import ApiError, ResponseFormat
 
 
@@ -58,3 +60,31 @@ def json_finish(engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int
         raise unsatisfied(DEFAULT_RETRIES + 1, errors[-1])
 
     return finish
+
+
+async def chosen_answers(engine: Engine, tokenizer, prompts: list[list[int]], options: list[str]):
+    """`choices`: for each prompt, the option the model scores best (dgemma.choose, on the engine thread),
+    as the Choices and pieces the answer writers read (one content piece and an end each); the scores
+    go in each choice's `dgemma` details."""
+    from ..structured import choose
+
+    chosen = []
+    for p in prompts:
+        future = engine.call(lambda runner, p=p: choose(runner, p, options, tokenizer=tokenizer))
+        try:
+            chosen.append(await asyncio.wrap_future(future))
+        except ValueError as e:
+            raise ApiError(400, str(e), "choices") from e
+    choices = []
+    for j, c in enumerate(chosen):
+        choice = Choice(j, None, StreamText(None, False))
+        choice.returned_tokens = len(tokenizer.encode(c.option, add_special_tokens=False))
+        choice.details = {"choice_index": c.index, "choice_scores": [round(s, 4) for s in c.scores]}
+        choices.append(choice)
+
+    async def pieces():
+        for choice, c in zip(choices, chosen, strict=True):
+            yield Piece(choice.index, "content", c.option)
+            yield Piece(choice.index, "end", finish_reason="stop")
+
+    return choices, pieces()
