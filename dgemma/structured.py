@@ -54,6 +54,7 @@ from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
 from .generate import GenerationResult, SamplingParams, prompt_rows
 from .runner import Runner, as_runner
+from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument
 
 DEFAULT_STRING_TOKENS = 24
 MAX_STRING_TOKENS = 128
@@ -91,6 +92,7 @@ class TokenClasses:
         self.texts = tokenizer.token_texts[:vocab_size]
         special = tokenizer.special_ids
         self._usable = [i not in special and t != "" and "\ufffd" not in t for i, t in enumerate(self.texts)]
+        self._argument_strings: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def where(self, test: Callable[[str], bool]) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -105,6 +107,19 @@ class TokenClasses:
     @functools.cached_property
     def quote_led(self) -> torch.Tensor:
         return self.where(lambda t: t[0] == '"')
+
+    def string(self, syntax: Syntax) -> tuple[torch.Tensor, torch.Tensor]:
+        """A string's characters and the tokens that close it, in `syntax`: a quote-led token in JSON; in
+        tool-call arguments a `<`-led token (the <|"|> quote, or its first piece), so `<` is not a character."""
+        if syntax.string_open == '"':
+            return self.string_body, self.quote_led
+        if self._argument_strings is None:
+            close = self.where(lambda t: t[0] == "<")
+            quote = self.tokenizer.token_to_id(QUOTE)
+            if quote is not None and quote < self.vocab_size:  # one token (special in Gemma 4's vocabulary)
+                close[quote] = True
+            self._argument_strings = (self.string_body & ~self.where(lambda t: "<" in t), close)
+        return self._argument_strings
 
     @functools.cached_property
     def digits(self) -> torch.Tensor:
@@ -140,12 +155,39 @@ class TokenClasses:
 
 
 # ------------------------------------------------------------------------------------------------
+# Syntaxes: JSON, and the arguments of a Gemma 4 tool call
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How values are written: JSON, or Gemma 4's tool-call arguments (dgemma.tool_calls: bare keys in
+    sorted order, strings between <|"|> quotes)."""
+
+    name: str
+    write: Callable[[Any], str]  # a literal value
+    key: Callable[[str], str]  # an object's key and its colon
+    string_open: str
+    sort_keys: bool
+
+
+JSON = Syntax("json", lambda v: json_text(v), lambda k: json_text(k) + ":", '"', False)
+GEMMA_ARGUMENTS = Syntax(
+    "gemma",
+    write_argument,
+    lambda k: (k if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) else QUOTE + k + QUOTE) + ":",
+    QUOTE,
+    True,
+)
+
+
+# ------------------------------------------------------------------------------------------------
 # Layout: the template being built
 
 
 @dataclass
 class _Layout:
     classes: TokenClasses
+    syntax: Syntax = JSON
     template: list[int | None] = field(default_factory=list)
     allowed: list[torch.Tensor | None] = field(default_factory=list)
     pending: str = ""
@@ -201,7 +243,7 @@ class _Const:
         self.value = value
 
     def layout(self, b: _Layout) -> None:
-        b.text(json_text(self.value))
+        b.text(b.syntax.write(self.value))
 
     def read(self, r: _Read) -> Any:
         return self.value
@@ -212,15 +254,15 @@ class _String:
         self.budget, self.min_length, self.max_length = budget, min_length, max_length
 
     def layout(self, b: _Layout) -> None:
-        b.text('"')
-        body = b.classes.string_body
+        b.text(b.syntax.string_open)
+        body, self.close = b.classes.string(b.syntax)
         # a token holds at least one character: `minLength` positions that cannot close the string
         # give at least minLength characters
         first = min(self.min_length, self.budget - 1)
-        self.span = b.hole([body] * first + [body | b.classes.quote_led] * (self.budget - first))
+        self.span = b.hole([body] * first + [body | self.close] * (self.budget - first))
 
     def read(self, r: _Read) -> str:
-        text, _ = r.texts(self.span, r.classes.quote_led)
+        text, _ = r.texts(self.span, self.close)
         return text if self.max_length is None else text[: self.max_length]
 
 
@@ -256,7 +298,7 @@ class _Choice:
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
-        self.ids = [c.tokenizer.encode(json_text(o), add_special_tokens=False) for o in self.options]
+        self.ids = [c.tokenizer.encode(b.syntax.write(o), add_special_tokens=False) for o in self.options]
         n = max(len(i) for i in self.ids)
         masks = []
         for k in range(n):
@@ -279,8 +321,9 @@ class _Object:
 
     def layout(self, b: _Layout) -> None:
         b.text("{")
-        for i, (key, node) in enumerate(self.properties):
-            b.text(("," if i else "") + json_text(key) + ":")
+        ordered = sorted(self.properties, key=lambda p: p[0]) if b.syntax.sort_keys else self.properties
+        for i, (key, node) in enumerate(ordered):
+            b.text(("," if i else "") + b.syntax.key(key))
             node.layout(b)
         b.text("}")
 
@@ -417,6 +460,11 @@ class JsonPlan:
     classes: TokenClasses
     validator: Any = None
 
+    @property
+    def fixed(self) -> bool:
+        """Nothing to generate (a tool call without arguments): the answer is the template."""
+        return all(t is not None for t in self.template)
+
     def pins(self) -> torch.Tensor:
         """The template as fill's pins [1, length] (-1 at the holes)."""
         return torch.tensor([[-1 if t is None else t for t in self.template]], dtype=torch.long)
@@ -458,9 +506,19 @@ def _first_object(text: str) -> tuple[Any, str | None]:
     return (value, None) if isinstance(value, dict) else (None, "the answer is JSON but not an object")
 
 
-def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int, end_id: int) -> JsonPlan:
+def compile_schema(
+    schema: dict,
+    tokenizer,
+    vocab_size: int,
+    canvas_length: int,
+    end_id: int,
+    *,
+    syntax: Syntax = JSON,
+    wrap: tuple[str, str] = ("", ""),
+) -> JsonPlan:
     """Check `schema` (jsonschema's own check first) and lay it out as a template (see the module
-    docstring), padded with `end_id` to the end of its last canvas."""
+    docstring) in `syntax`, between the pinned texts `wrap`, padded with `end_id` to the end of its
+    last canvas."""
     import jsonschema
 
     try:
@@ -469,14 +527,25 @@ def compile_schema(schema: dict, tokenizer, vocab_size: int, canvas_length: int,
     except jsonschema.SchemaError as e:
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
     root = _node(schema, "", 0)
-    b = _Layout(_classes(tokenizer, vocab_size))
+    b = _Layout(_classes(tokenizer, vocab_size), syntax)
+    b.text(wrap[0])
     root.layout(b)
+    b.text(wrap[1])
     b.flush()
-    if not any(x is None for x in b.template):
+    if not any(x is None for x in b.template) and wrap == ("", ""):
         raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
     return JsonPlan(schema, template, allowed, root, b.classes, validator(schema))
+
+
+def tool_call_plan(name: str, parameters: dict | None, tokenizer, vocab_size: int, canvas_length: int, end_id: int):
+    """A Gemma 4 tool call of function `name` whose arguments follow `parameters` (its JSON schema), laid
+    out in the call syntax: `<|tool_call>call:NAME{` pinned, the arguments' values as holes, `}<tool_call|>`
+    pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
+    schema = parameters or {"type": "object", "properties": {}}
+    wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
+    return compile_schema(schema, tokenizer, vocab_size, canvas_length, end_id, syntax=GEMMA_ARGUMENTS, wrap=wrap)
 
 
 def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
@@ -571,11 +640,11 @@ class Chosen:
     scores: list[float]  # per option: the encoder's log-probability of it and the end of text after it
 
 
-def choose(model: Runner | Any, prompt, options: list, *, tokenizer=None) -> Chosen:
+def choose(model: Runner | Any, prompt, options: list, *, tokenizer=None, whole: bool = True) -> Chosen:
     """The option (text, with `tokenizer`, or token ids) the model most likely answers `prompt` (one row)
     with: each is scored by the encoder's summed next-token log-probability of its tokens and of the
     end-of-text token after them (so that an option is scored as the whole answer, not as the start of a
-    longer one), all options in one batch."""
+    longer one; `whole=False`: as the start of the answer, without it), all options in one batch."""
     runner = as_runner(model)
     rows = prompt_rows(prompt, tokenizer)
     if len(rows) != 1:
@@ -583,7 +652,7 @@ def choose(model: Runner | Any, prompt, options: list, *, tokenizer=None) -> Cho
     if not isinstance(options, list) or not 0 < len(options) <= MAX_OPTIONS:
         raise ValueError(f"options must be a list of 1 to {MAX_OPTIONS} options")
     ids = [_option_ids(o, tokenizer, runner.model.text_config.vocab_size, i) for i, o in enumerate(options)]
-    end = end_of_text_ids(runner.model)[:1]
+    end = end_of_text_ids(runner.model)[:1] if whole else []
     scores = [float(lp.sum()) for lp in continuation_logprobs(runner, rows[0], [o + end for o in ids])]
     best = max(range(len(options)), key=scores.__getitem__)
     return Chosen(best, options[best], scores)

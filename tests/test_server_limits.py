@@ -268,13 +268,22 @@ def test_no_op_values_of_those_parameters_are_accepted(server):
     assert _post(server.url, CHAT, body).status_code == 200
 
 
-def test_tools_need_a_template_that_renders_them(server):
+def test_tools_need_a_template_that_renders_them(model_dir):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from dgemma.server.app import create_app
+    from dgemma.tokenizer import Tokenizer
+
+    shipped = Tokenizer.from_dir(model_dir)
+    plain = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no tools in it
+    tok = Tokenizer(HFTokenizer.from_str(shipped.to_json()), shipped.special_tokens, plain)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    _error(_post(server.url, CHAT, {"messages": _user(), "tools": tools}), 400, "tools")
-    off = {"messages": _user(), "tools": tools, "tool_choice": "none", "max_tokens": 2}
-    assert _post(server.url, CHAT, off).is_success  # tools switched off are not rendered
-    messages = [*_user(), {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    _error(_post(server.url, CHAT, {"messages": messages}), 400, "messages.1")
+    with LiveServer(create_app(load_quiet(model_dir), tok, model_name="tiny", api_key=KEY)) as live:
+        _error(_post(live.url, CHAT, {"messages": _user(), "tools": tools}), 400, "tools")
+        off = {"messages": _user(), "tools": tools, "tool_choice": "none", "max_tokens": 2}
+        assert _post(live.url, CHAT, off).is_success  # tools switched off are not rendered
+        messages = [*_user(), {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+        _error(_post(live.url, CHAT, {"messages": messages}), 400, "messages.1")
 
 
 def test_echo_returns_the_prompt_first(server):

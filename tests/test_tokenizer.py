@@ -117,7 +117,7 @@ def test_errors(saved, tmp_path):
         ValueError, match=r"has an image or video: use dgemma\.images\.chat_prompt"
     ):  # ids alone lose it
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}])
-    with pytest.raises(ValueError, match="must be 'user' or 'assistant'"):
+    with pytest.raises(ValueError, match="must be 'user', 'assistant' or 'tool'"):
         tok.render_chat([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
     with pytest.raises(ValueError, match="string 'role'"):
         tok.render_chat([{"content": "no role"}])

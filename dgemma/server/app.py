@@ -20,6 +20,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import json
 import time
 from dataclasses import dataclass, replace
@@ -36,13 +37,14 @@ from ..images import DEFAULT_BUDGET, chat_prompt, open_image
 from ..model import DiffusionGemma
 from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
+from ..tool_calls import CALL_OPEN, call_text
 from . import choices as runs
 from .guard import Guard
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .output import extract_tool_calls, new_id
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .structured import chosen_answers, json_finish, json_plan
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .structured import call_plan, chosen_answers, given_answers, json_finish, json_plan
 
 STATIC = Path(__file__).parent / "static"
 TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)
@@ -295,7 +297,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     for i, m in enumerate(body.messages):
         if (m.role == "tool" or m.tool_calls) and not takes_tools:
             raise ApiError(400, "this model's chat template has no tool support", f"messages.{i}")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = [_with_argument_objects(m.model_dump(exclude_none=True)) for m in body.messages]
     chars = sum(len(m.text()) + len(json.dumps(m.tool_calls or [])) for m in body.messages)
     _check_chars(served, chars + len(json.dumps(body.tools or [])), "messages")
     thinking = True if body.reasoning else None
@@ -318,13 +320,15 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
         if pixels is not None:
             raise ApiError(400, "choices: options are scored on text prompts (leave out the images)", "choices")
         choices, pieces = await _chosen(served, body, [prompt], requested, param)
+    elif body.forced_call:
+        choices, pieces = await _call_run(served, body, http, prompt, pixels)
     else:
         choices, pieces = await _chat_run(served, body, http, prompt, pixels)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _Chunks(served, chat=True)
         opening = [_sse({**chunks.head, "choices": [_role_delta(c.index)]}) for c in choices]
-        stream = _stream(chunks, pieces, choices, opening, len(prompt), usage)
+        stream = _stream(chunks, pieces, choices, opening, len(prompt), usage, calls=use_tools)
         return StreamingResponse(stream, media_type="text/event-stream")
     return await _chat_answer(served, body, pieces, choices, len(prompt), use_tools)
 
@@ -390,6 +394,42 @@ async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request,
     return choices, runs.run(choices, served.decode, http.is_disconnected, finish=finish)
 
 
+async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
+    """tool_choice "required" or a named function: each choice is a call of the function, its arguments
+    filled under the function's parameters schema (server/structured.py), read back and validated."""
+    if body.reasoning:
+        raise ApiError(400, "reasoning: does not go with a required tool call (the answer is the call)", "reasoning")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, "response_format: a required tool call is the answer's format", "response_format")
+    named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    if named is None and len(body.tools) > 1 and pixels is not None:
+        raise ApiError(400, "tool_choice: with images, name the function to call", "tool_choice")
+    name, plan = await call_plan(served.engine, served.tokenizer, served.model, prompt, body.tools, named)
+    if plan.fixed:  # a function without arguments: nothing to generate
+        return given_answers(served.tokenizer, [call_text(name, {})] * body.n)
+    requested, param = body.requested_tokens
+    n = len(plan.template)
+    if requested is not None and requested < n:
+        raise ApiError(400, f"{param} is {requested}, but the call takes {n} tokens", param)
+    _budget(served, n, len(prompt), param, "messages")
+    params = _resolve(served, replace(body.sampling(n), stop_token_ids=[], early_commit=False))
+    choices = runs.submit(
+        served.engine,
+        [prompt],
+        params,
+        body.n,
+        stops=None,
+        reasoning=False,
+        pins=plan.pins(),
+        allowed=plan.constraints(),
+        pixels=pixels,
+        timeout=served.request_timeout,
+    )
+    write = functools.partial(call_text, name)
+    finish = json_finish(served.engine, plan, [prompt], body.n, served.tokenizer, write=write)
+    return choices, runs.run(choices, served.decode, http.is_disconnected, finish=finish)
+
+
 async def _chosen(served: _Served, body, prompts: list[list[int]], requested: int | None, param: str):
     """`choices`: each prompt's best-scored option (server/structured.py), within the context and the
     length asked for."""
@@ -406,6 +446,21 @@ async def _chosen(served: _Served, body, prompts: list[list[int]], requested: in
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def _with_argument_objects(message: dict) -> dict:
+    """An assistant message's tool-call arguments (OpenAI sends JSON text) as objects, so that the chat
+    template writes them in the model's call syntax; text that is not a JSON object stays as it is."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                value = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                function["arguments"] = value
+    return message
 
 
 async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:
@@ -504,11 +559,15 @@ class _Chunks:
         )
 
 
-async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool):
+async def _stream(
+    chunks: _Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, calls: bool = False
+):
     """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
     comes (drafts, text, ends with the choice's `dgemma` details if any, errors), the usage if asked for,
-    and [DONE]."""
+    and [DONE]. With `calls` (tools offered), a choice's text from a tool call's start on is held and
+    sent at its end as `tool_calls` deltas (or as text, if it does not parse)."""
     by_index = {c.index: c for c in choices}
+    held: dict[int, str] = {}
     for text in opening:
         yield text
     async for piece in pieces:
@@ -518,8 +577,22 @@ async def _stream(chunks: _Chunks, pieces, choices, opening: list[str], prompt_t
             yield _sse(piece.error.body())
             yield chunks.choice(piece.index, reason="error")
         elif piece.kind == "end":
+            reason = piece.finish_reason
+            if piece.index in held:
+                found, rest = extract_tool_calls(held.pop(piece.index))
+                if rest:
+                    yield chunks.choice(piece.index, "content", rest)
+                if found:
+                    deltas = [{"index": k, **call} for k, call in enumerate(found)]
+                    yield _sse({**chunks.head, "choices": [{"index": piece.index, "delta": {"tool_calls": deltas}}]})
+                    reason = "tool_calls"
             details = by_index[piece.index].details  # set when the choice finished
-            yield chunks.choice(piece.index, reason=piece.finish_reason, **({"dgemma": details} if details else {}))
+            yield chunks.choice(piece.index, reason=reason, **({"dgemma": details} if details else {}))
+        elif calls and piece.kind == "content" and (piece.index in held or CALL_OPEN in piece.text):
+            before, mark, after = ("", "", piece.text) if piece.index in held else piece.text.partition(CALL_OPEN)
+            if before:
+                yield chunks.choice(piece.index, "content", before)
+            held[piece.index] = held.get(piece.index, "") + mark + after
         else:
             yield chunks.choice(piece.index, piece.kind, piece.text)
     if usage:

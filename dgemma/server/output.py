@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
+from ..tool_calls import CALL_OPEN, parse_tool_calls
+
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought\n", "<channel|>"
-_TOOL_CALL = re.compile(r"<\|tool_call>\s*call:([A-Za-z0-9_.\-]+)\s*(\{.*?\})\s*<tool_call\|>", re.S)
 
 
 def new_id(prefix: str) -> str:
@@ -28,32 +28,16 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return thought, text[:start] + text[end + len(THOUGHT_CLOSE) :]
 
 
-def _tool_arguments(raw: str) -> str:
-    """Gemma 4 writes call arguments as JSON or as {key:value,...} with <|"|> quotes; return JSON text."""
-    cleaned = raw.replace('<|"|>', '"')
-    try:
-        return json.dumps(json.loads(cleaned))
-    except json.JSONDecodeError:
-        pass
-    quoted = re.sub(r"([{,]\s*)([A-Za-z_][A-Za-z0-9_]*)\s*:", r'\1"\2":', cleaned)
-    try:
-        return json.dumps(json.loads(quoted))
-    except json.JSONDecodeError:
-        return json.dumps({"raw": raw})
-
-
 def extract_tool_calls(text: str) -> tuple[list[dict], str]:
-    """Gemma 4 tool calls `<|tool_call>call:NAME{ARGS}<tool_call|>` -> OpenAI tool_calls, and the rest."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        calls.append(
-            {
-                "id": new_id("call"),
-                "type": "function",
-                "function": {"name": m.group(1), "arguments": _tool_arguments(m.group(2))},
-            }
-        )
-    return calls, _TOOL_CALL.sub("", text).strip() if calls else text
+    """Gemma 4 tool calls `<|tool_call>call:NAME{ARGS}<tool_call|>` -> OpenAI tool_calls, and the rest.
+    When a call does not parse, there are none: the answer is its text (dgemma.tool_calls)."""
+    calls, rest = parse_tool_calls(text)
+    return [openai_call(name, arguments) for name, arguments in calls], rest
+
+
+def openai_call(name: str, arguments: dict) -> dict:
+    """One OpenAI tool_calls entry (arguments as JSON text)."""
+    return {"id": new_id("call"), "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
 def find_stop(text: str, stops: list[str] | None) -> int:
@@ -64,7 +48,7 @@ def find_stop(text: str, stops: list[str] | None) -> int:
 
 class StreamText:
     """Turns the growing decoded text of one choice into deltas: held back while it could still become a
-    stop string or a thought marker, split into reasoning and content."""
+    stop string, a thought marker or the start of a tool call, split into reasoning and content."""
 
     def __init__(self, stops: list[str] | None, reasoning: bool):
         self.stops = stops or []
@@ -77,7 +61,7 @@ class StreamText:
     def _holdback(self, text: str) -> int:
         """How many trailing characters might begin a stop string or a marker."""
         keep = 0
-        for s in [*self.stops, THOUGHT_OPEN, THOUGHT_CLOSE]:
+        for s in [*self.stops, THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN]:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
                     keep = max(keep, k)

@@ -224,6 +224,19 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class NamedFunction(BaseModel):
+    name: Text = Field(min_length=1, max_length=256)
+    model_config = ConfigDict(extra="forbid")
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: NamedFunction
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     model_config = ConfigDict(extra="forbid")
@@ -348,7 +361,8 @@ class ChatCompletionRequest(DiffusionSettings):
     reasoning: bool = False  # turn on thinking (the chat template's enable_thinking)
     max_soft_tokens: IMAGE_BUDGETS | None = None  # extension: soft tokens an image may take (default 280)
     tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["auto", "none"] | None = None
+    # "required" or a named function: the answer is a call, made by construction (server/structured.py)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     top_logprobs: Any = None
     reasoning_effort: Any = None
@@ -369,6 +383,24 @@ class ChatCompletionRequest(DiffusionSettings):
                 {"name": "max_soft_tokens"},
             )
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and not self.tools:
+            raise PydanticCustomError("tool_choice", "tool_choice: needs tools to call", {"name": "tool_choice"})
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [(t.get("function") or {}).get("name") for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise PydanticCustomError(
+                    "tool_choice", "tool_choice: names a function that is not in tools", {"name": "tool_choice"}
+                )
+        return self
+
+    @property
+    def forced_call(self) -> bool:
+        """The answer must be a tool call (tool_choice "required" or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def requested_tokens(self) -> tuple[int | None, str]:

@@ -10,6 +10,7 @@ refuses it). An answer that fails after `DEFAULT_RETRIES` more draws is a 422 na
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
 from ..engine import Engine
@@ -38,9 +39,12 @@ def json_plan(fmt: ResponseFormat | None, tokenizer, model, length: Callable[[],
         raise ApiError(400, str(e), "response_format.json_schema.schema") from e
 
 
-def json_finish(engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int, tokenizer) -> Finish:
+def json_finish(
+    engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int, tokenizer, write: Callable = json_text
+) -> Finish:
     """A choice's finish (server/choices.py): its answer read back and validated on the engine thread
-    (scoring a choice takes model passes); one that fails is drawn again with the next seeds."""
+    (scoring a choice takes model passes), and written by `write` (JSON text, or a tool call); one that
+    fails is drawn again with the next seeds."""
 
     async def finish(choice: Choice, result: GenerationResult) -> tuple[list[int], int]:
         prompt = prompts[choice.index // n]
@@ -53,7 +57,7 @@ def json_finish(engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int
             read = engine.call(lambda runner, tokens=tokens: plan.read(runner, prompt, tokens))
             value, error = await asyncio.wrap_future(read)
             if error is None:
-                choice.answer = json_text(value)
+                choice.answer = write(value)
                 choice.details = {"json_attempts": attempt + 1}
                 return tokenizer.encode(choice.answer, add_special_tokens=False), 0
             errors.append(error)
@@ -64,8 +68,7 @@ def json_finish(engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int
 
 async def chosen_answers(engine: Engine, tokenizer, prompts: list[list[int]], options: list[str]):
     """`choices`: for each prompt, the option the model scores best (dgemma.choose, on the engine thread),
-    as the Choices and pieces the answer writers read (one content piece and an end each); the scores
-    go in each choice's `dgemma` details."""
+    as the Choices and pieces the answer writers read; the scores go in each choice's `dgemma` details."""
     from ..structured import choose
 
     chosen = []
@@ -75,16 +78,55 @@ async def chosen_answers(engine: Engine, tokenizer, prompts: list[list[int]], op
             chosen.append(await asyncio.wrap_future(future))
         except ValueError as e:
             raise ApiError(400, str(e), "choices") from e
+    details = [{"choice_index": c.index, "choice_scores": [round(s, 4) for s in c.scores]} for c in chosen]
+    return given_answers(tokenizer, [c.option for c in chosen], details)
+
+
+def given_answers(tokenizer, texts: list[str], details: list[dict] | None = None):
+    """Answers known without denoising (a chosen option, a tool call without arguments) as the Choices
+    and pieces the answer writers read: one content piece and an end each."""
     choices = []
-    for j, c in enumerate(chosen):
-        choice = Choice(j, None, StreamText(None, False))
-        choice.returned_tokens = len(tokenizer.encode(c.option, add_special_tokens=False))
-        choice.details = {"choice_index": c.index, "choice_scores": [round(s, 4) for s in c.scores]}
+    for j, text in enumerate(texts):
+        choice = Choice(j, None, StreamText(None, False), answer=text)
+        choice.returned_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        choice.details = details[j] if details else {}
         choices.append(choice)
 
     async def pieces():
-        for choice, c in zip(choices, chosen, strict=True):
-            yield Piece(choice.index, "content", c.option)
+        for choice in choices:
+            yield Piece(choice.index, "content", choice.answer)
             yield Piece(choice.index, "end", finish_reason="stop")
 
     return choices, pieces()
+
+
+async def call_plan(engine: Engine, tokenizer, model, prompt: list[int], tools: list[dict], named: str | None):
+    """tool_choice "required" or named: the function (the named one, the only one, or the one whose call
+    the encoder scores best as the answer's start) and the plan of its call, whose arguments follow its
+    `parameters` schema. A tool or schema that cannot be laid out is a 400 naming it."""
+    from ..editing import end_of_text_ids
+    from ..structured import StructuredOutputError, choose, tool_call_plan
+    from ..tool_calls import CALL_OPEN
+
+    functions = [t.get("function") if isinstance(t.get("function"), dict) else t for t in tools]
+    names = [f.get("name") for f in functions]
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}", name):
+            raise ApiError(400, "a function name must be letters, digits, _ . - (at most 128)", f"tools.{i}")
+    if named is not None:
+        index = names.index(named)
+    elif len(names) == 1:
+        index = 0
+    else:
+        starts = [f"{CALL_OPEN}call:{name}{{" for name in names]
+        future = engine.call(lambda runner: choose(runner, prompt, starts, tokenizer=tokenizer, whole=False))
+        index = (await asyncio.wrap_future(future)).index
+    parameters = functions[index].get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ApiError(400, "parameters must be a JSON schema object", f"tools.{index}.function.parameters")
+    vocab, canvas = model.text_config.vocab_size, model.config.canvas_length
+    try:
+        plan = tool_call_plan(names[index], parameters, tokenizer, vocab, canvas, end_of_text_ids(model)[0])
+    except StructuredOutputError as e:
+        raise ApiError(400, str(e), f"tools.{index}.function.parameters") from e
+    return names[index], plan
