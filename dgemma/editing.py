@@ -318,6 +318,56 @@ def continuation_logprobs(
 
 
 @torch.no_grad()
+def prompt_logprobs(
+    model: DiffusionGemma | Runner, prompt: list[int], k: int = 0
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """The causal encoder's log-probability of each prompt token given the ones before it (None for the
+    first), and the k likeliest tokens at each position as (id, log-probability): one pass, what an
+    evaluation harness reads from `echo` with `logprobs` (the encoder's co-loss trained exactly this)."""
+    runner = as_runner(model)
+    model = runner.model
+    if not prompt:
+        raise ValueError("prompt_logprobs needs a non-empty prompt")
+    ids = torch.tensor([prompt], device=model.device)
+    cache = model.new_cache(1, len(prompt))
+    logp = torch.log_softmax(runner.encode(ids, cache, return_logits=True).logits[0, :-1].float(), dim=-1)
+    chosen = [None, *logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()]
+    return chosen, [None, *_alternatives(logp, k)]
+
+
+def _alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest tokens of each row of log-probabilities [n, V], as (id, log-probability)."""
+    if not k:
+        return [[] for _ in range(logp.shape[0])]
+    top = logp.topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+
+
+@torch.no_grad()
+def canvas_logprobs(
+    model: DiffusionGemma | Runner, prompt: list[int], canvas: list[int], k: int = 0
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """A read-only denoising pass: the canvas is read as it is (nothing sampled, nothing renoised, no
+    self-conditioning), and each of its tokens gets the denoiser's log-probability there, with the k
+    likeliest tokens at each position. A canvas shorter than the model's is followed by end-of-text
+    tokens, as an infill's is (those are not reported); a longer one is refused."""
+    runner = as_runner(model)
+    model = runner.model
+    c = model.config.canvas_length
+    vocab = model.text_config.vocab_size
+    prompt, canvas = _check_ids(list(prompt), vocab, "prompt"), _check_ids(list(canvas), vocab, "canvas")
+    if not prompt or not 0 < len(canvas) <= c:
+        raise ValueError(f"canvas_logprobs needs a prompt and a canvas of 1 to {c} tokens")
+    full = canvas + end_of_text_ids(model)[:1] * (c - len(canvas))
+    cache = model.new_cache(1, len(prompt))
+    runner.encode(torch.tensor([prompt], device=model.device), cache)
+    ids = torch.tensor([full], device=model.device)
+    logp = torch.log_softmax(runner.denoise(ids, cache)[0, : len(canvas)].float(), dim=-1)
+    chosen = logp.gather(-1, ids[0, : len(canvas), None]).squeeze(-1).tolist()
+    return chosen, _alternatives(logp, k)
+
+
+@torch.no_grad()
 def _denoiser_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):
     """Mean log-probability one denoising pass gives each middle and what follows it in its canvas.
 

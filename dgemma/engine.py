@@ -60,6 +60,7 @@ class EngineRequest:
     params: SamplingParams | dict  # or a dict of SamplingParams fields
     pins: torch.Tensor | None = None
     allowed: object = None  # constraints.Allowed: tokens each generated position may hold
+    logprobs: int | None = None  # put each token's log-probability (and this many alternatives) in the result
     pixels: object = None  # vision.Pixels of the prompt's images
     want_drafts: bool = False
     timeout: float | None = None  # seconds from submission
@@ -213,7 +214,8 @@ class Engine:
         try:
             with self._own_rng(request):
                 r = request
-                r._loop = prepare(self.runner, r.prompt, params, pins=r.pins, allowed=r.allowed, pixels=r.pixels)
+                kw = dict(pins=r.pins, allowed=r.allowed, logprobs=r.logprobs, pixels=r.pixels)
+                r._loop = prepare(self.runner, r.prompt, params, **kw)
         except Exception as e:  # a bad request must not stop the engine
             self.stats.requests_failed += 1
             request.events.put(e)

@@ -42,6 +42,7 @@ from .sampling import (
     reference_transition,
     restrict,
     temperature,
+    top_logprobs,
 )
 from .settings import MODES, SamplingParams  # noqa: F401 (the settings live in settings.py; both are public here too)
 
@@ -91,6 +92,10 @@ class GenerationResult:
     sequences: torch.Tensor  # [B, canvases * C]: the committed canvases, pad after a stop token
     stats: GenerationStats
     text: list[str] | None = None
+    # with `logprobs=k`: per row and token, the denoiser's log-probability of it at its canvas's last step
+    # (before temperature), and the k likeliest tokens there as (id, log-probability)
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -110,6 +115,7 @@ class DenoiseCall:
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
+MAX_LOGPROBS = 20  # alternatives per token a result may carry
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,6 +185,8 @@ class _Canvas:
     sc: torch.Tensor | None = None  # self-conditioning: processed logits (exact) or soft embeddings (fast)
     steps: torch.Tensor | None = None  # [B] steps run in this canvas
     stable_steps: torch.Tensor | None = None  # [B, C] consecutive steps with the same argmax (early commit)
+    logprob: torch.Tensor | None = None  # [B, C] with logprobs: the draft's log-probability at the latest step
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, C, k] its k likeliest (log-probabilities, ids)
     frontier: list[int] = field(default_factory=list)  # per row: leading positions already emitted
 
 
@@ -187,6 +195,8 @@ class _Output:
 
     def __init__(self, batch: int, max_new_tokens: int, stop_ids: list[int]):
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.logprobs: list[list[float]] = [[] for _ in range(batch)]  # with logprobs: one per token
+        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(batch)]
         self.reasons: list[str | None] = [None] * batch
         self.max_new = max_new_tokens
         self.stop_ids = set(stop_ids)
@@ -195,8 +205,9 @@ class _Output:
     def finished(self, row: int) -> bool:
         return self.reasons[row] is not None
 
-    def take(self, row: int, tokens: list[int], canvas_index: int, early: bool) -> TokensEvent | None:
-        """Append final tokens to a row up to a stop token or the length limit; None if nothing is new."""
+    def take(self, row: int, tokens: list[int], canvas_index: int, early: bool, logprobs=None) -> TokensEvent | None:
+        """Append final tokens to a row up to a stop token or the length limit (and, given as (log-probabilities,
+        alternatives) aligned with `tokens`, their log-probabilities); None if nothing is new."""
         out = []
         for t in tokens:
             if t in self.stop_ids:
@@ -207,6 +218,9 @@ class _Output:
                 self.reasons[row] = "length"
                 break
         self.tokens[row].extend(out)
+        if logprobs is not None:
+            self.logprobs[row].extend(logprobs[0][: len(out)])
+            self.top[row].extend(logprobs[1][: len(out)])
         if not out:
             return None
         if self.first_token_time is None:
@@ -236,6 +250,7 @@ class _Loop:
         prompt_tokens: list[int],
         t0: float,
         allowed: Allowed | None = None,
+        logprobs: int | None = None,
     ):
         model = runner.model
         self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
@@ -245,6 +260,7 @@ class _Loop:
         self.device = model.device
         self.pins = pins
         self.allowed = allowed
+        self.logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self.pad_id = model.generation_config.pad_token_id
         if self.pad_id is None:
@@ -336,6 +352,9 @@ class _Loop:
         self.passes[rows] += 1
         st.steps[rows] += 1
         logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
+        lse, top = None, None
+        if self.logprobs is not None:  # of the model's distribution: before temperature and constraints
+            lse, *top = top_logprobs(logits, self.logprobs)
         logits.div_(self.temperatures[step])
         if allowed is not None:
             restrict(logits, self.allowed.classes, allowed)
@@ -349,6 +368,9 @@ class _Loop:
             self.embedding,
             self.embed_scale,
         )
+        if lse is not None:
+            drafted = logits.gather(-1, t.argmax[..., None]).squeeze(-1) * self.temperatures[step]
+            self._keep_logprobs(st, rows, drafted - lse, top)
         del logits
         finished = stopper(t.argmax, t.entropy, needed & ~pinned, None if everyone else rows)
         if self.p.early_commit:
@@ -366,6 +388,24 @@ class _Loop:
         accepted = torch.zeros(self.b, self.c, dtype=torch.bool, device=self.device)
         accepted[rows] = t.accepted
         return accepted
+
+    def _keep_logprobs(self, st: _Canvas, rows, logprob: torch.Tensor, top: list[torch.Tensor]) -> None:
+        """The latest step's log-probabilities of the rows that ran it (stopped rows keep theirs)."""
+        if st.logprob is None:
+            st.logprob = logprob.new_zeros(self.b, self.c)
+            st.top = (
+                top[0].new_zeros(self.b, self.c, top[0].shape[-1]),
+                top[1].new_zeros(self.b, self.c, top[1].shape[-1]),
+            )
+        st.logprob[rows], st.top[0][rows], st.top[1][rows] = logprob, top[0], top[1]
+
+    def _row_logprobs(self, st: _Canvas, r: int, start: int):
+        """(log-probabilities, alternatives) of row r's canvas from position `start`, or None."""
+        if st.logprob is None:
+            return None
+        values, ids = st.top[0][r, start:].tolist(), st.top[1][r, start:].tolist()
+        alternatives = [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        return st.logprob[r, start:].tolist(), alternatives
 
     def _early_commit(self, st: _Canvas, k: int) -> Iterator[TokensEvent]:
         """Freeze and emit each row's leading positions that have settled (pinned ones count as settled)."""
@@ -413,7 +453,8 @@ class _Loop:
             sequences.append(seq)
             for r in range(self.b):
                 if not self.out.finished(r):
-                    event = self.out.take(r, final[r, st.frontier[r] :].tolist(), k, early=False)
+                    lp = self._row_logprobs(st, r, st.frontier[r])
+                    event = self.out.take(r, final[r, st.frontier[r] :].tolist(), k, early=False, logprobs=lp)
                     if event:
                         yield event
             finished_rows = finished_rows | hit_stop
@@ -440,7 +481,10 @@ class _Loop:
             tokens_per_second=total / elapsed if elapsed > 0 else 0.0,
             prompt_tokens=self.prompt_tokens,
         )
-        return GenerationResult(self.out.tokens, reasons, sequences, stats)
+        result = GenerationResult(self.out.tokens, reasons, sequences, stats)
+        if self.logprobs is not None:
+            result.logprobs, result.top_logprobs = self.out.logprobs, self.out.top
+        return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -455,6 +499,7 @@ def prepare(
     tokenizer=None,
     pins: torch.Tensor | None = None,
     allowed=None,
+    logprobs: int | None = None,
     cache: KVCache | None = None,
     pixels=None,
     images=None,
@@ -473,6 +518,11 @@ def prepare(
         raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
     if allowed is not None and p.mode == "exact":
         raise ValueError("allowed tokens need mode 'fast' (the reference has no constraints)")
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token)")
+        if p.mode == "exact" or p.early_commit:
+            raise ValueError("logprobs need mode 'fast' without early commit (they are read at a canvas's last step)")
     if images is not None:
         prompt, pixels = _with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
@@ -502,7 +552,7 @@ def prepare(
         runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact", pixels=pixels)
     pins = None if pins is None else pins.to(model.device)
     allowed = None if allowed is None else allowed.to(model.device)
-    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed)
+    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs)
     return loop.run()
 
 
@@ -515,6 +565,7 @@ def stream(
     tokenizer=None,
     pins: torch.Tensor | None = None,
     allowed=None,
+    logprobs: int | None = None,
     cache: KVCache | None = None,
     **overrides,
 ) -> Iterator[Event]:
@@ -525,14 +576,17 @@ def stream(
     SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
     sequence that are given, -1 elsewhere; `allowed` (fast mode) the tokens each position may hold: a
     list of token-id sets (None for any) for the positions of the generated sequence, one such list per
-    row, or a dgemma.constraints.Allowed (see there); `cache` continues a conversation already in that cache;
+    row, or a dgemma.constraints.Allowed (see there); `logprobs=k` (fast mode, no early commit) puts in
+    the result each token's log-probability under the denoiser at its canvas's last step, before
+    temperature, with the k likeliest tokens there; `cache` continues a conversation already in that cache;
     `images` (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a
     chat template writes them; dgemma.images.chat_prompt makes one from messages), each given at most
     `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts
     (these three, like the SamplingParams fields, go to `prepare`).
     """
     runner = as_runner(model)
-    loop = prepare(runner, prompt, params, tokenizer=tokenizer, pins=pins, allowed=allowed, cache=cache, **overrides)
+    kw = dict(tokenizer=tokenizer, pins=pins, allowed=allowed, logprobs=logprobs, cache=cache)
+    loop = prepare(runner, prompt, params, **kw, **overrides)
     for event in drive(runner, loop):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]

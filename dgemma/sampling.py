@@ -131,6 +131,26 @@ def random_tokens(shape, vocab_size: int, device, generator: torch.Generator | N
 
 
 @torch.no_grad()
+def top_logprobs(logits: torch.Tensor, k: int, chunk: int | None = None):
+    """log-sum-exp [B, C] of `logits` [B, C, V], and the `k` most likely tokens' log-probabilities and ids
+    [B, C, k] (k may be 0), in row chunks: no [B, C, V] log-softmax is made."""
+    b, c, v = logits.shape
+    chunk = chunk or _chunk_rows(v, logits.device)
+    flat = logits.view(b * c, v)
+    lse = flat.new_empty(b * c)
+    values = flat.new_empty(b * c, k)
+    ids = torch.empty(b * c, k, dtype=torch.long, device=flat.device)
+    for a in range(0, b * c, chunk):
+        rows = flat[a : a + chunk]
+        lse[a : a + chunk] = rows.logsumexp(-1)
+        if k:
+            top = rows.topk(k, dim=-1)
+            values[a : a + chunk] = top.values - lse[a : a + chunk, None]
+            ids[a : a + chunk] = top.indices
+    return lse.view(b, c), values.view(b, c, k), ids.view(b, c, k)
+
+
+@torch.no_grad()
 def restrict(logits: torch.Tensor, classes: torch.Tensor, index: torch.Tensor, chunk: int | None = None) -> None:
     """In place: at each position whose `index` [B, C] is k >= 0, every token outside `classes[k]` (a bool
     [K, V] row of allowed tokens) gets the lowest finite logit, so that its probability is exactly 0.

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..editing import InfillPlan, choose_middle, plan_infill
+from ..editing import InfillPlan, canvas_logprobs, choose_middle, plan_infill
 from ..engine import Engine
 from ..images import DEFAULT_BUDGET, chat_prompt, open_image
 from ..model import DiffusionGemma
@@ -39,11 +39,12 @@ from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
 from ..tool_calls import CALL_OPEN, call_text
 from . import choices as runs
+from . import logprobs as logprob_blocks
 from .guard import Guard
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .output import extract_tool_calls, new_id
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .structured import call_plan, chosen_answers, given_answers, json_finish, json_plan
 
 STATIC = Path(__file__).parent / "static"
@@ -284,6 +285,38 @@ def _add_generation_routes(app: FastAPI, served: _Served) -> None:
     async def completions(body: CompletionRequest, http: Request):
         return await _completions(served, body, http)
 
+    @app.post("/v1/canvas/score")
+    async def canvas_score(body: CanvasScoreRequest):
+        return await _canvas_score(served, body)
+
+
+async def _canvas_score(served: _Served, body: CanvasScoreRequest) -> dict:
+    """A read-only denoising pass over a given canvas: each canvas token's log-probability under the
+    denoiser, and the top alternatives (a dgemma extension; vLLM's "read-only" read)."""
+    _check_model(served, body.model)
+    ids = {}
+    for name in ("prompt", "canvas"):
+        value = getattr(body, name)
+        if isinstance(value, str):
+            _check_chars(served, len(value), name)
+            value = await _tokenize(served, served.tokenizer.encode, value, param=name, add_special_tokens=False)
+        ids[name] = value
+    _budget(served, None, len(ids["prompt"]), "canvas", "prompt")
+    k = body.top_logprobs
+    future = served.engine.call(lambda runner: canvas_logprobs(runner, ids["prompt"], ids["canvas"], k))
+    try:
+        chosen, tops = await asyncio.wrap_future(future)
+    except ValueError as e:
+        raise ApiError(400, str(e), "canvas") from e
+    block = logprob_blocks.legacy(served.tokenizer, ids["canvas"], chosen, tops)
+    return {
+        "object": "canvas.score",
+        "model": served.name,
+        "token_ids": ids["canvas"],
+        **block,
+        "usage": {"prompt_tokens": len(ids["prompt"]), "canvas_tokens": len(ids["canvas"])},
+    }
+
 
 async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     _check_model(served, body.model)
@@ -386,6 +419,7 @@ async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request,
         reasoning=body.reasoning,
         pins=None if shaped is None else shaped.pins,
         allowed=None if shaped is None else shaped.allowed,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         pixels=pixels,
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
@@ -397,8 +431,9 @@ async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request,
 async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
     """tool_choice "required" or a named function: each choice is a call of the function, its arguments
     filled under the function's parameters schema (server/structured.py), read back and validated."""
-    if body.reasoning:
-        raise ApiError(400, "reasoning: does not go with a required tool call (the answer is the call)", "reasoning")
+    for name in ("reasoning", "logprobs"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name}: does not go with a required tool call (the answer is the call)", name)
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, "response_format: a required tool call is the answer's format", "response_format")
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
@@ -516,7 +551,13 @@ async def _chat_answer(served, body: ChatCompletionRequest, pieces, choices, pro
             if calls:
                 message["tool_calls"] = calls if body.parallel_tool_calls is not False else calls[:1]
                 reason = "tool_calls"
-        out.append({"index": c.index, "message": message, "finish_reason": reason})
+        entry = {"index": c.index, "message": message, "finish_reason": reason}
+        if body.logprobs:
+            n = c.returned_tokens
+            lps, tops = c.logprobs or ([], [])
+            k = body.top_logprobs or 0
+            entry["logprobs"] = logprob_blocks.chat(served.tokenizer, c.tokens[:n], lps[:n], tops[:n], k)
+        out.append(entry)
     return {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -683,6 +724,7 @@ async def _completions(served: _Served, body: CompletionRequest, http: Request):
         reasoning=False,
         pins=pins,
         allowed=allowed,
+        logprobs=body.logprobs,
         want_drafts=body.include_drafts and body.stream,
         timeout=served.request_timeout,
     )
@@ -703,16 +745,38 @@ async def _completion_reply(served: _Served, body: CompletionRequest, choices, p
     return await _completion_answer(served, body, pieces, choices, echoes, prompts, plan)
 
 
+async def _completion_logprobs(served: _Served, body: CompletionRequest, choices, prompts) -> list:
+    """Each choice's legacy logprobs block (None without `logprobs`): the echoed prompt's, by the encoder,
+    then the completion's, by the denoiser."""
+    k = body.logprobs
+    if k is None:
+        return [None] * len(choices)
+    tok = served.tokenizer
+    echoes = await logprob_blocks.echoed(served.engine, prompts, k) if body.echo else None
+    blocks = []
+    for c in choices:
+        head = None
+        prompt = prompts[c.index // body.n]
+        if echoes is not None:
+            head = logprob_blocks.legacy(tok, prompt, *echoes[c.index // body.n])
+        start = len(served.decode(prompt)) if body.echo else 0
+        lps, tops = c.logprobs or ([], [])
+        n = c.returned_tokens
+        blocks.append(logprob_blocks.join(head, logprob_blocks.legacy(tok, c.tokens[:n], lps[:n], tops[:n], start)))
+    return blocks
+
+
 async def _completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan):
     texts, reasons = await _gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
+    blocks = await _completion_logprobs(served, body, choices, prompts)
     out = [
         {
             "index": c.index,
             "text": echoes[k] + texts.get(c.index, {}).get("content", ""),
             "finish_reason": reasons[c.index],
-            "logprobs": None,
+            "logprobs": blocks[k],
         }
         for k, c in enumerate(choices)
     ]

@@ -59,6 +59,7 @@ class Choice:
     row: int = 0  # the row of the request's result that is this choice's output (an infill's chosen length)
     details: dict = field(default_factory=dict)  # what the answer says of this choice in its `dgemma` block
     answer: str | None = None  # the text to send, when a finish writes it (a JSON answer) rather than decoding
+    logprobs: tuple[list[float], list] | None = None  # with logprobs: per output token, and its alternatives
 
 
 # After a choice's request is done: its output tokens and the row they come from (see run's `finish`).
@@ -89,6 +90,7 @@ def submit(
     reasoning: bool,
     pins: torch.Tensor | None = None,
     allowed=None,
+    logprobs: int | None = None,
     pixels=None,
     want_drafts: bool = False,
     timeout: float | None = None,
@@ -103,9 +105,8 @@ def submit(
     for j, prompt in enumerate(prompts):
         for i in range(n):
             seed = None if params.seed is None else (params.seed + i) % 2**63
-            req = EngineRequest(
-                prompt, replace(params, seed=seed), pins, allowed, pixels, want_drafts=want_drafts, timeout=timeout
-            )
+            given = dict(pins=pins, allowed=allowed, logprobs=logprobs, pixels=pixels, want_drafts=want_drafts)
+            req = EngineRequest(prompt, replace(params, seed=seed), **given, timeout=timeout)
             try:
                 _submit(engine, req, loop)
             except ApiError:
@@ -134,7 +135,8 @@ async def rerun(engine: Engine, request: EngineRequest, seed: int | None) -> Gen
     if request.timeout is not None:  # the deadline stays the first request's
         timeout = max(request.timeout - (time.monotonic() - request.submitted), 1e-3)
     params = replace(request.params, seed=seed)
-    again = EngineRequest(request.prompt, params, request.pins, request.allowed, request.pixels, timeout=timeout)
+    given = dict(pins=request.pins, allowed=request.allowed, logprobs=request.logprobs, pixels=request.pixels)
+    again = EngineRequest(request.prompt, params, **given, timeout=timeout)
     _submit(engine, again, asyncio.get_running_loop())
     try:
         while True:
@@ -185,6 +187,9 @@ def _on_event(choice: Choice, event, decode) -> list[Piece]:
     done = isinstance(event, DoneEvent)
     pieces = _on_tokens(choice, event, decode, final=done)
     if done:
+        result = event.result
+        if result.logprobs is not None:
+            choice.logprobs = (result.logprobs[choice.row], result.top_logprobs[choice.row])
         choice.steps_per_canvas = event.result.stats.steps_per_canvas[choice.row]
         choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[choice.row], 3)
     if done or choice.text.stopped:

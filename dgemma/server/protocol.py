@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..generate import MAX_LOGPROBS
 from ..images import SOFT_TOKEN_BUDGETS
 from ..settings import SETTINGS, SamplingParams
 
@@ -100,8 +101,6 @@ _NO_OP_VALUES: dict[str, tuple] = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "reasoning_effort": (),
     "functions": ([],),
     "function_call": ("none",),
@@ -279,7 +278,6 @@ class DiffusionSettings(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("stop")
@@ -324,6 +322,25 @@ class DiffusionSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _logprobs_whole(self):
+        """Log-probabilities come with whole answers: not streamed, not with answers a finish rewrites."""
+        if not self.wants_logprobs:
+            return self
+        other = "stream" if self.stream else None
+        if self.response_format is not None and self.response_format.type != "text":
+            other = "response_format"
+        if getattr(self, "suffix", None) is not None:
+            other = "suffix"
+        if other is not None:
+            message = "logprobs: not with {name} (they are the denoiser's, for tokens it wrote as they are)"
+            raise PydanticCustomError("logprobs", message, {"name": other})
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return False
+
+    @model_validator(mode="after")
     def _streaming_only(self):
         for name in ("stream_options", "include_drafts"):
             if getattr(self, name) and not self.stream:
@@ -359,12 +376,13 @@ class ChatCompletionRequest(DiffusionSettings):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = setting_field("max_new_tokens")
     reasoning: bool = False  # turn on thinking (the chat template's enable_thinking)
+    logprobs: bool | None = None  # each answer token's log-probability (the denoiser's, at its last step)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # ... and this many alternatives
     max_soft_tokens: IMAGE_BUDGETS | None = None  # extension: soft tokens an image may take (default 280)
     tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
     # "required" or a named function: the answer is a call, made by construction (server/structured.py)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    top_logprobs: Any = None
     reasoning_effort: Any = None
     functions: Any = None
     function_call: Any = None
@@ -397,6 +415,16 @@ class ChatCompletionRequest(DiffusionSettings):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "top_logprobs: needs logprobs: true", {"name": "top_logprobs"})
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
     @property
     def forced_call(self) -> bool:
         """The answer must be a tool call (tool_choice "required" or a named function)."""
@@ -414,6 +442,9 @@ class CompletionRequest(DiffusionSettings):
     prompt: Any  # a string, a list of token ids, or a list of either (one choice set per prompt)
     suffix: Text | None = None  # infilling: generate between prompt and suffix
     echo: bool = False  # return the prompt before the completion
+    # each token's log-probability and this many alternatives: the prompt's (with echo) from the causal
+    # encoder, the completion's from the denoiser at its canvas's last step
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     @field_validator("prompt")
@@ -431,6 +462,10 @@ class CompletionRequest(DiffusionSettings):
                 raise ValueError(f"prompt {i} must be a string or a non-empty list of token ids")
         return _valid_unicode(value)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
@@ -444,3 +479,13 @@ class CompletionRequest(DiffusionSettings):
 
 def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CanvasScoreRequest(BaseModel):
+    """POST /v1/canvas/score: a read-only denoising pass over a given canvas (dgemma.editing.canvas_logprobs)."""
+
+    model: Text | None = Field(default=None, max_length=256)
+    prompt: Text | list[int] = Field(min_length=1)
+    canvas: Text | list[int] = Field(min_length=1)
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    model_config = ConfigDict(extra="forbid")
