@@ -44,6 +44,7 @@ import functools
 import itertools
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ import torch
 
 from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
-from .generate import GenerationResult, SamplingParams, prompt_rows
+from .generate import GenerationResult, GenerationStats, SamplingParams, prompt_rows
 from .runner import Runner, as_runner
 from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument
 
@@ -190,6 +191,7 @@ class _Layout:
     syntax: Syntax = JSON
     template: list[int | None] = field(default_factory=list)
     allowed: list[torch.Tensor | None] = field(default_factory=list)
+    holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole, and what ends it
     pending: str = ""
 
     def text(self, s: str) -> None:
@@ -202,14 +204,18 @@ class _Layout:
             self.allowed += [None] * len(ids)
             self.pending = ""
 
-    def hole(self, masks: list[torch.Tensor]) -> slice:
+    def hole(self, masks: list[torch.Tensor], end: torch.Tensor | None = None) -> slice:
+        """Holes at the next positions, one per mask of allowed tokens; `end` marks the tokens that close
+        the value (what follows them in the hole is dropped)."""
         self.flush()
         start = len(self.template)
         self.template += [None] * len(masks)
         self.allowed += masks
         if len(self.template) > MAX_TEMPLATE_TOKENS:
             raise StructuredOutputError(f"the schema needs more than {MAX_TEMPLATE_TOKENS} tokens of template")
-        return slice(start, start + len(masks))
+        span = slice(start, start + len(masks))
+        self.holes.append((span, end))
+        return span
 
 
 class _Invalid(Exception):
@@ -259,7 +265,7 @@ class _String:
         # a token holds at least one character: `minLength` positions that cannot close the string
         # give at least minLength characters
         first = min(self.min_length, self.budget - 1)
-        self.span = b.hole([body] * first + [body | self.close] * (self.budget - first))
+        self.span = b.hole([body] * first + [body | self.close] * (self.budget - first), self.close)
 
     def read(self, r: _Read) -> str:
         text, _ = r.texts(self.span, self.close)
@@ -276,18 +282,16 @@ class _Number:
     def layout(self, b: _Layout) -> None:
         c = b.classes
         rest = c.digits | c.after_value if self.integer else c.digits | c.dot | c.after_value
-        sign = [c.minus | c.blank] if self.signed and bool(c.blank.any()) else []
-        first = c.digits | c.minus if self.signed and not sign else c.digits
-        self.has_sign = bool(sign)
-        self.span = b.hole([*sign, first] + [rest] * (self.budget - 1))
+        self.sign = b.hole([c.minus | c.blank]) if self.signed and bool(c.blank.any()) else None
+        first = c.digits | c.minus if self.signed and self.sign is None else c.digits
+        self.span = b.hole([first] + [rest] * (self.budget - 1), c.after_value)
 
     def read(self, r: _Read) -> int | float:
-        digits = slice(self.span.start + self.has_sign, self.span.stop)
-        text, _ = r.texts(digits, r.classes.after_value)
+        text, _ = r.texts(self.span, r.classes.after_value)
         m = re.match(r"-?\d+" if self.integer else r"-?\d+(\.\d+)?", text)
         if m is None:  # only without a blank token in the vocabulary: a lone minus
             raise _Invalid(f"{text!r} is not a number")
-        negative = self.has_sign and r.classes.texts[r.tokens[self.span.start]] == "-"
+        negative = self.sign is not None and r.classes.texts[r.tokens[self.sign.start]] == "-"
         number = ("-" if negative else "") + m.group(0)
         return int(number) if self.integer or m.group(1) is None else float(number)
 
@@ -305,7 +309,7 @@ class _Choice:
             mask = c.after_value.clone() if any(len(i) <= k for i in self.ids) else torch.zeros_like(c.after_value)
             mask[[i[k] for i in self.ids if len(i) > k]] = True
             masks.append(mask)
-        self.span = b.hole(masks)
+        self.span = b.hole(masks, c.after_value)
 
     def read(self, r: _Read) -> Any:
         got = r.tokens[self.span]
@@ -459,6 +463,7 @@ class JsonPlan:
     root: Any
     classes: TokenClasses
     validator: Any = None
+    holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole and what ends it
 
     @property
     def fixed(self) -> bool:
@@ -536,7 +541,7 @@ def compile_schema(
         raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
-    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema))
+    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes)
 
 
 def tool_call_plan(name: str, parameters: dict | None, tokenizer, vocab_size: int, canvas_length: int, end_id: int):
@@ -668,3 +673,74 @@ def _option_ids(option, tokenizer, vocab: int, i: int) -> list[int]:
     if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
         raise ValueError(f"option {i} must be a non-empty text or a list of token ids in [0, {vocab})")
     return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# The same schema decoded left to right (the autoregressive twin of a fill)
+
+
+@torch.no_grad()
+def decode_left_to_right(model: Runner | Any, plan: JsonPlan, prompt: list[int]) -> tuple[list[int], int]:
+    """A plan's template decoded token by token by the causal encoder, as a grammar engine would: pinned
+    runs are fed as they are, each hole position takes the encoder's likeliest allowed token (greedy),
+    and a hole is left as soon as its value closes (its remaining positions repeat the closing token,
+    which reading drops). Returns the template's tokens and the forward passes it took."""
+    runner = as_runner(model)
+    m = runner.model
+    last = max(span.stop for span, _ in plan.holes)  # after the last hole everything is pinned: not fed
+    cache = m.new_cache(1, len(prompt) + last)
+    starts = {span.start: (span, end) for span, end in plan.holes}
+    out = list(plan.template)
+
+    def feed(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=m.device)
+        return runner.encode(ids, cache, return_logits=True).logits[0, -1].float()
+
+    logits, forwards, i = feed(prompt), 1, 0
+    while i < last:
+        if i not in starts:
+            j = next(k for k in range(i, last) if k in starts)
+            logits, forwards, i = feed(plan.template[i:j]), forwards + 1, j
+            continue
+        span, end = starts[i]
+        for pos in range(span.start, span.stop):
+            token = int(logits.masked_fill(~plan.allowed[pos].to(logits.device), float("-inf")).argmax())
+            out[pos] = token
+            logits, forwards = feed([token]), forwards + 1
+            if end is not None and bool(end[token]):
+                out[pos + 1 : span.stop] = [token] * (span.stop - pos - 1)
+                break
+        i = span.stop
+    return out, forwards
+
+
+def generate_json_ar(model: Runner | Any, prompt, schema: dict, *, tokenizer) -> JsonResult:
+    """`generate_json`'s answer decoded left to right under the same schema (`decode_left_to_right`):
+    the autoregressive baseline, on the same weights. Greedy, so there is nothing to retry:
+    StructuredOutputError if the answer does not validate. `steps` counts forward passes."""
+    runner = as_runner(model)
+    m = runner.model
+    rows = prompt_rows(prompt, tokenizer)
+    if len(rows) != 1:
+        raise ValueError("generate_json_ar takes one prompt")
+    end = end_of_text_ids(m)[0]
+    plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
+    t0 = time.perf_counter()
+    tokens, forwards = decode_left_to_right(runner, plan, rows[0])
+    value, error = plan.read(runner, rows[0], tokens)
+    if error is not None:
+        raise unsatisfied(1, error)
+    elapsed = time.perf_counter() - t0
+    stats = GenerationStats(
+        canvases=1,
+        steps_per_canvas=[[]],
+        converged_per_canvas=[[True]],
+        decoder_forward_passes=[forwards],
+        tokens_per_forward=[len(tokens) / forwards],
+        time_to_first_token=None,
+        elapsed=elapsed,
+        tokens_per_second=len(tokens) / elapsed if elapsed > 0 else 0.0,
+        prompt_tokens=[len(rows[0])],
+    )
+    result = GenerationResult([tokens], ["stop"], torch.tensor([tokens]), stats)
+    return JsonResult(value, json_text(value), 1, forwards, result)

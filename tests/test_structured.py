@@ -187,3 +187,17 @@ def test_choose_scores_each_option_as_the_whole_answer(code):
         dgemma.choose(model, prompt, [], tokenizer=tok)
     with pytest.raises(ValueError, match="option 1"):
         dgemma.choose(model, prompt, [[5], []])
+
+
+def test_the_same_schema_decoded_left_to_right_validates_too(code):
+    model, tok = code
+    from dgemma.structured import decode_left_to_right, generate_json_ar
+
+    out = generate_json_ar(model, "# a person\nperson = ", PERSON, tokenizer=tok)
+    jsonschema.validate(out.value, PERSON)
+    plan = _plan(code, PERSON)
+    tokens, forwards = decode_left_to_right(model, plan, tok.encode("# a person\nperson = "))
+    assert forwards == out.steps and forwards < len(plan.template)  # closed holes are left early
+    assert all(t == p for t, p in zip(tokens, plan.template, strict=True) if p is not None)
+    for (span, _end), t in ((h, tokens[h[0].start]) for h in plan.holes):
+        assert bool(plan.allowed[span.start][t])
