@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -77,7 +78,10 @@ _KEYWORDS = {
 
 
 class StructuredOutputError(ValueError):
-    """The model gave no answer that validates within the retries (or the schema cannot be compiled)."""
+    """The model gave no answer that validates within the retries (or the schema cannot be compiled);
+    `steps` holds the denoising steps the attempts took (0 when nothing ran)."""
+
+    steps: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,6 +129,14 @@ class TokenClasses:
     @functools.cached_property
     def digits(self) -> torch.Tensor:
         return self.where(str.isdecimal) & self.where(lambda t: t.isascii())
+
+    @functools.cached_property
+    def one_digit(self) -> torch.Tensor:
+        return self.where(lambda t: len(t) == 1 and t in "0123456789")
+
+    @functools.cached_property
+    def nonzero_digit(self) -> torch.Tensor:
+        return self.where(lambda t: len(t) == 1 and t in "123456789")
 
     @functools.cached_property
     def minus(self) -> torch.Tensor:
@@ -274,15 +286,26 @@ class _String:
 
 class _Number:
     """A number's sign is a position of its own, a minus or a blank (JSON allows whitespace before a value),
-    so that the digits' first position can hold only a digit and a lone minus cannot be written."""
+    so that the digits' first position can hold only a digit and a lone minus cannot be written.
 
-    def __init__(self, budget: int, signed: bool, integer: bool):
-        self.budget, self.signed, self.integer = budget, signed, integer
+    A non-negative integer with both bounds is written one digit per position, so its digit count holds
+    by construction: at least as many digits as `minimum` has (the first not 0 when that is more than
+    one), at most as many as `maximum` has."""
+
+    def __init__(self, budget: int, signed: bool, integer: bool, digits: tuple[int, int] | None = None):
+        self.budget, self.signed, self.integer, self.digits = budget, signed, integer, digits
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
-        rest = c.digits | c.after_value if self.integer else c.digits | c.dot | c.after_value
         self.sign = b.hole([c.minus | c.blank]) if self.signed and bool(c.blank.any()) else None
+        if self.digits is not None:
+            fewest, most = self.digits
+            first = c.nonzero_digit if fewest > 1 else c.one_digit
+            masks = [first if k == 0 else c.one_digit for k in range(most)]
+            masks = [m | c.after_value if k >= fewest else m for k, m in enumerate(masks)] + [c.after_value]
+            self.span = b.hole(masks, c.after_value)
+            return
+        rest = c.digits | c.after_value if self.integer else c.digits | c.dot | c.after_value
         first = c.digits | c.minus if self.signed and self.sign is None else c.digits
         self.span = b.hole([first] + [rest] * (self.budget - 1), c.after_value)
 
@@ -434,12 +457,28 @@ def _string(schema: dict, path: str, depth: int) -> _String:
     return _String(max(budget, low + 1, 1), low, high)
 
 
-def _number(schema: dict, integer: bool) -> _Number:
+SMALL_RANGE = 32  # an integer range with at most this many values is a choice among them
+
+
+def _number(schema: dict, integer: bool) -> _Number | _Choice:
+    """An integer or number hole; a small integer range is a choice of its values (valid by construction)."""
     bounds = [schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
     if any(not isinstance(v, int | float) or isinstance(v, bool) for v in bounds):
         raise StructuredOutputError("schema: minimum and maximum must be numbers")
-    low = min([schema.get("minimum", -1), schema.get("exclusiveMinimum", -1)])
-    signed = not ("minimum" in schema or "exclusiveMinimum" in schema) or low < 0
+    lows = [schema["minimum"]] if "minimum" in schema else []
+    highs = [schema["maximum"]] if "maximum" in schema else []
+    if "exclusiveMinimum" in schema:
+        lows.append(math.floor(schema["exclusiveMinimum"]) + 1 if integer else schema["exclusiveMinimum"])
+    if "exclusiveMaximum" in schema:
+        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1 if integer else schema["exclusiveMaximum"])
+    low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+    if integer and low is not None and high is not None:
+        low, high = math.ceil(low), math.floor(high)
+        if 0 <= high - low < SMALL_RANGE:
+            return _Choice(list(range(low, high + 1)))
+        if 0 <= low <= high:
+            return _Number(0, False, True, digits=(len(str(low)), len(str(high))))
+    signed = low is None or low < 0
     digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
     return _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
 
@@ -623,12 +662,14 @@ def generate_json(
         if error is None:
             return JsonResult(value, json_text(value), attempt + 1, steps, result, errors)
         errors.append(error)
-    raise unsatisfied(retries + 1, errors[-1])
+    raise unsatisfied(retries + 1, errors[-1], steps)
 
 
-def unsatisfied(attempts: int, last: str) -> StructuredOutputError:
+def unsatisfied(attempts: int, last: str, steps: int = 0) -> StructuredOutputError:
     """The error after the last attempt."""
-    return StructuredOutputError(f"no valid JSON answer in {attempts} attempts (the last: {last})")
+    error = StructuredOutputError(f"no valid JSON answer in {attempts} attempts (the last: {last})")
+    error.steps = steps
+    return error
 
 
 # ------------------------------------------------------------------------------------------------
@@ -729,7 +770,7 @@ def generate_json_ar(model: Runner | Any, prompt, schema: dict, *, tokenizer) ->
     tokens, forwards = decode_left_to_right(runner, plan, rows[0])
     value, error = plan.read(runner, rows[0], tokens)
     if error is not None:
-        raise unsatisfied(1, error)
+        raise unsatisfied(1, error, forwards)
     elapsed = time.perf_counter() - t0
     stats = GenerationStats(
         canvases=1,

@@ -201,3 +201,21 @@ def test_the_same_schema_decoded_left_to_right_validates_too(code):
     assert all(t == p for t, p in zip(tokens, plan.template, strict=True) if p is not None)
     for (span, _end), t in ((h, tokens[h[0].start]) for h in plan.holes):
         assert bool(plan.allowed[span.start][t])
+
+
+def test_bounded_integers_hold_their_bounds_by_construction(code):
+    model, tok = code
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1000, "maximum": 9999},  # digits one per position: exactly 4
+            "n": {"type": "integer", "minimum": 1, "exclusiveMaximum": 13},  # 12 values: a choice of them
+            "big": {"type": "integer", "minimum": 0, "maximum": 999},  # 1 to 3 digits, each of them valid
+        },
+    }
+    plan = _plan(code, schema)
+    assert isinstance(plan.root.properties[1][1], _Choice) and plan.root.properties[1][1].options[-1] == 12
+    for seed in range(4):  # no retry: a bound that fails here would fail the answer
+        out = generate_json(model, "x = ", schema, tokenizer=tok, seed=seed, retries=0, **KW)
+        jsonschema.validate(out.value, schema)
+        assert out.attempts == 1
