@@ -518,11 +518,7 @@ def prepare(
         raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
     if allowed is not None and p.mode == "exact":
         raise ValueError("allowed tokens need mode 'fast' (the reference has no constraints)")
-    if logprobs is not None:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token)")
-        if p.mode == "exact" or p.early_commit:
-            raise ValueError("logprobs need mode 'fast' without early commit (they are read at a canvas's last step)")
+    _check_logprobs(logprobs, p)
     if images is not None:
         prompt, pixels = _with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
@@ -554,6 +550,15 @@ def prepare(
     allowed = None if allowed is None else allowed.to(model.device)
     loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs)
     return loop.run()
+
+
+def _check_logprobs(logprobs: int | None, p: SamplingParams) -> None:
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token)")
+    if p.mode == "exact" or p.early_commit:
+        raise ValueError("logprobs need mode 'fast' without early commit (they are read at a canvas's last step)")
 
 
 @torch.no_grad()
