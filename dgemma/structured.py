@@ -398,6 +398,22 @@ def _refuse(path: str, message: str) -> StructuredOutputError:
     return StructuredOutputError(f"schema{path}: {message}")
 
 
+MAX_VALUES = 2048  # values a schema may expand to (arrays count maxItems times): bounds compile work
+
+
+def _expanded(schema: Any, depth: int = 0) -> int:
+    """How many values `schema` lays out once arrays are expanded to maxItems, computed without building
+    them (a hostile schema of nested arrays would otherwise multiply before any check)."""
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return 1
+    props = schema.get("properties")
+    inner = sum(_expanded(v, depth + 1) for v in props.values()) if isinstance(props, dict) else 0
+    items = schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0) or 0))
+    if "items" in schema and isinstance(items, int) and not isinstance(items, bool):
+        inner += min(max(items, 0), MAX_ITEMS) * _expanded(schema["items"], depth + 1)
+    return 1 + inner
+
+
 def _node(schema: Any, path: str, depth: int):
     """The node of one (sub)schema; StructuredOutputError names what is not supported, and where."""
     if not isinstance(schema, dict):
@@ -570,6 +586,8 @@ def compile_schema(
         validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
+    if _expanded(schema) > MAX_VALUES:
+        raise StructuredOutputError(f"the schema expands to more than {MAX_VALUES} values (arrays: maxItems each)")
     root = _node(schema, "", 0)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     b.text(wrap[0])

@@ -219,3 +219,11 @@ def test_bounded_integers_hold_their_bounds_by_construction(code):
         out = generate_json(model, "x = ", schema, tokenizer=tok, seed=seed, retries=0, **KW)
         jsonschema.validate(out.value, schema)
         assert out.attempts == 1
+
+
+def test_a_schema_that_expands_too_far_is_refused_before_it_is_built(code):
+    nested: dict = {"type": "string"}
+    for _ in range(6):  # 32 ** 6 values: building them first would not end
+        nested = {"type": "array", "items": nested, "maxItems": 32}
+    with pytest.raises(StructuredOutputError, match="expands to more than"):
+        _plan(code, {"type": "object", "properties": {"a": nested}})
