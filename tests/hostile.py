@@ -12,6 +12,9 @@ import json
 import httpx
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_NESTED_ARRAYS: dict = {"type": "string"}
+for _ in range(6):  # a small schema that would expand to 32**6 values
+    _NESTED_ARRAYS = {"type": "array", "items": _NESTED_ARRAYS, "maxItems": 32}
 USER = [{"role": "user", "content": "x"}]
 
 HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
@@ -35,6 +38,15 @@ HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("t_min above t_max, streaming", CHAT, {"messages": USER, "t_min": 0.9, "t_max": 0.5, "stream": True}, (400,)),
     ("n above the capacity", COMPLETIONS, {"prompt": ["a"] * 64, "n": 8, "max_tokens": 1}, (400,)),
     ("response_format yaml", CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, (400,)),
+    (
+        "a json schema of 32**6 values",
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _NESTED_ARRAYS}},
+        },
+        (400,),
+    ),
     (
         "a json schema 100 deep",
         CHAT,

