@@ -33,7 +33,7 @@ import time
 import jsonschema
 
 import dgemma
-from dgemma.structured import StructuredOutputError, generate_json, generate_json_ar
+from dgemma.structured import StructuredOutputError, first_object, generate_json, generate_json_ar
 from dgemma.tasks import extract
 from dgemma.tasks.code import MODEL_DIR as CODE_DIR
 
@@ -43,12 +43,8 @@ WAYS = ("fill", "free + parse", "AR + schema", "AR free + parse")
 def _parsed(text: str):
     """The first JSON object in `text` valid against the schema, or None."""
     start = text.find("{")
-    if start < 0:
-        return None
-    try:
-        value, _ = json.JSONDecoder().raw_decode(text[start:])
-        jsonschema.validate(value, extract.SCHEMA)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
+    value, error = first_object(text[start:]) if start >= 0 else (None, "no object")
+    if error is not None or not jsonschema.Draft202012Validator(extract.SCHEMA).is_valid(value):
         return None
     return value
 

@@ -75,13 +75,6 @@ class Allowed:
     def to(self, device) -> Allowed:
         return Allowed(self.classes.to(device), self.index.to(device))
 
-    def canvas(self, k: int, length: int) -> torch.Tensor:
-        """The class index of canvas `k` of `length` positions [B, length] (-1 past the end)."""
-        out = self.index.new_full((self.index.shape[0], length), -1)
-        chunk = self.index[:, k * length : (k + 1) * length]
-        out[:, : chunk.shape[1]] = chunk
-        return out
-
 
 def token_mask(tokens: TokenSet, vocab_size: int, what: str = "allowed") -> torch.Tensor:
     """A set of token ids (or a bool [V] mask) as a bool [V] mask; ValueError if empty or out of range."""

@@ -190,6 +190,16 @@ class _Canvas:
     frontier: list[int] = field(default_factory=list)  # per row: leading positions already emitted
 
 
+def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, device) -> torch.Tensor:
+    """Canvas k's part [b, c] of a per-position tensor of the generated sequence (pins, allowed-token
+    classes), -1 past its end (or everywhere, without one)."""
+    out = torch.full((b, c), -1, dtype=torch.long, device=device)
+    if per_position is not None:
+        chunk = per_position[:, k * c : (k + 1) * c]
+        out[:, : chunk.shape[1]] = chunk
+    return out
+
+
 class _Output:
     """Per-row bookkeeping of what has been returned, and why a row finished."""
 
@@ -290,10 +300,7 @@ class _Loop:
     def _new_canvas(self, k: int) -> _Canvas:
         b, c = self.b, self.c
         tokens = random_tokens((b, c), self.v, self.device, self.gen)
-        pin_values = torch.full((b, c), -1, dtype=torch.long, device=self.device)
-        if self.pins is not None:
-            chunk = self.pins[:, k * c : (k + 1) * c]
-            pin_values[:, : chunk.shape[1]] = chunk
+        pin_values = _canvas_window(self.pins, k, c, b, self.device)
         pinned = pin_values >= 0
         tokens = torch.where(pinned, pin_values, tokens)
         budget = self.p.max_new_tokens - k * c
@@ -308,7 +315,7 @@ class _Loop:
             pin_values=pin_values,
             done=done,
             needed=needed,
-            allowed=None if self.allowed is None else self.allowed.canvas(k, c),
+            allowed=None if self.allowed is None else _canvas_window(self.allowed.index, k, c, b, self.device),
             steps=torch.zeros(b, dtype=torch.long, device=self.device),
             stable_steps=torch.zeros(b, c, dtype=torch.long, device=self.device),
             frontier=[0] * b,

@@ -56,7 +56,7 @@ from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
 from .generate import GenerationResult, GenerationStats, SamplingParams, prompt_rows
 from .runner import Runner, as_runner
-from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument
+from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument, write_key
 
 DEFAULT_STRING_TOKENS = 24
 MAX_STRING_TOKENS = 128
@@ -163,9 +163,6 @@ class TokenClasses:
     def blank(self) -> torch.Tensor:
         return self.where(str.isspace)
 
-    def ids(self, mask: torch.Tensor) -> set[int]:
-        return set(mask.nonzero().squeeze(-1).tolist())
-
 
 # ------------------------------------------------------------------------------------------------
 # Syntaxes: JSON, and the arguments of a Gemma 4 tool call
@@ -184,13 +181,7 @@ class Syntax:
 
 
 JSON = Syntax("json", lambda v: json_text(v), lambda k: json_text(k) + ":", '"', False)
-GEMMA_ARGUMENTS = Syntax(
-    "gemma",
-    write_argument,
-    lambda k: (k if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) else QUOTE + k + QUOTE) + ":",
-    QUOTE,
-    True,
-)
+GEMMA_ARGUMENTS = Syntax("gemma", write_argument, lambda k: write_key(k) + ":", QUOTE, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,14 +233,14 @@ class _Read:
     classes: TokenClasses
     score: Callable[[int, list[list[int]]], int]  # (template position, options' tokens) -> best option
 
-    def texts(self, span: slice, end: torch.Tensor) -> tuple[str, bool]:
-        """The text of a hole up to (not including) its first token in `end`, and whether one came."""
+    def text(self, span: slice, end: torch.Tensor) -> str:
+        """The text of a hole up to (not including) its first token in `end`."""
         out = []
         for t in self.tokens[span]:
             if bool(end[t]):
-                return "".join(out), True
+                break
             out.append(self.classes.texts[t])
-        return "".join(out), False
+        return "".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,7 +271,7 @@ class _String:
         self.span = b.hole([body] * first + [body | self.close] * (self.budget - first), self.close)
 
     def read(self, r: _Read) -> str:
-        text, _ = r.texts(self.span, self.close)
+        text = r.text(self.span, self.close)
         return text if self.max_length is None else text[: self.max_length]
 
 
@@ -310,7 +301,7 @@ class _Number:
         self.span = b.hole([first] + [rest] * (self.budget - 1), c.after_value)
 
     def read(self, r: _Read) -> int | float:
-        text, _ = r.texts(self.span, r.classes.after_value)
+        text = r.text(self.span, r.classes.after_value)
         m = re.match(r"-?\d+" if self.integer else r"-?\d+(\.\d+)?", text)
         if m is None:  # only without a blank token in the vocabulary: a lone minus
             raise _Invalid(f"{text!r} is not a number")
@@ -537,7 +528,7 @@ class JsonPlan:
         """The answer a fill of this plan holds and None, or None and why it is not valid (model passes,
         to score a choice: run it where the model runs)."""
         if self.schema is None:
-            return _first_object(self.classes.tokenizer.decode(tokens))
+            return first_object(self.classes.tokenizer.decode(tokens))
         runner = as_runner(model)
 
         def score(position: int, options: list[list[int]]) -> int:
@@ -557,7 +548,7 @@ class JsonPlan:
         return value, None
 
 
-def _first_object(text: str) -> tuple[Any, str | None]:
+def first_object(text: str) -> tuple[Any, str | None]:
     """The JSON object `text` starts with (what follows it is dropped), or why there is none."""
     try:
         value, _ = json.JSONDecoder().raw_decode(text)
@@ -601,13 +592,20 @@ def compile_schema(
     return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes)
 
 
-def tool_call_plan(name: str, parameters: dict | None, tokenizer, vocab_size: int, canvas_length: int, end_id: int):
+def schema_plan(model: Runner | Any, tokenizer, schema: dict, **layout) -> JsonPlan:
+    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token."""
+    m = as_runner(model).model
+    end = end_of_text_ids(m)[0]
+    return compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end, **layout)
+
+
+def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict | None) -> JsonPlan:
     """A Gemma 4 tool call of function `name` whose arguments follow `parameters` (its JSON schema), laid
     out in the call syntax: `<|tool_call>call:NAME{` pinned, the arguments' values as holes, `}<tool_call|>`
     pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
     schema = parameters or {"type": "object", "properties": {}}
     wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
-    return compile_schema(schema, tokenizer, vocab_size, canvas_length, end_id, syntax=GEMMA_ARGUMENTS, wrap=wrap)
+    return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap)
 
 
 def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
@@ -668,8 +666,7 @@ def generate_json(
     elif max_new_tokens is not None:
         raise ValueError("max_new_tokens does not apply with a schema: the schema sizes the answer")
     else:
-        end = end_of_text_ids(m)[0]
-        plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
+        plan = schema_plan(runner, tokenizer, schema)
     seed = overrides.pop("seed", None if params is None else params.seed)
     errors, steps = [], 0
     for attempt in range(retries + 1):
@@ -778,12 +775,10 @@ def generate_json_ar(model: Runner | Any, prompt, schema: dict, *, tokenizer) ->
     the autoregressive baseline, on the same weights. Greedy, so there is nothing to retry:
     StructuredOutputError if the answer does not validate. `steps` counts forward passes."""
     runner = as_runner(model)
-    m = runner.model
     rows = prompt_rows(prompt, tokenizer)
     if len(rows) != 1:
         raise ValueError("generate_json_ar takes one prompt")
-    end = end_of_text_ids(m)[0]
-    plan = compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
+    plan = schema_plan(runner, tokenizer, schema)
     t0 = time.perf_counter()
     tokens, forwards = decode_left_to_right(runner, plan, rows[0])
     value, error = plan.read(runner, rows[0], tokens)

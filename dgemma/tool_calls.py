@@ -17,8 +17,9 @@ from typing import Any
 
 QUOTE = '<|"|>'
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
-_NAME = re.compile(r"\s*call:([A-Za-z_][A-Za-z0-9_.\-]*)")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+FUNCTION_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"  # a function's name, and a key written bare
+_NAME = re.compile(rf"\s*call:({FUNCTION_NAME})")
+_KEY = re.compile(FUNCTION_NAME)
 _NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][+-]?\d+)?")
 _LITERALS = {"true": True, "false": False, "null": None}
 MAX_NESTING = 64
@@ -156,16 +157,21 @@ def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict]], str]:
 
 def write_argument(value: Any) -> str:
     """A value in the arguments' syntax (what the chat template's `argument` macro writes): objects with
-    bare keys in sorted order."""
+    their keys in sorted order, bare where the reader takes them bare (`write_key`)."""
     if isinstance(value, str):
         return QUOTE + value + QUOTE
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{write_argument(value[k])}" for k in sorted(value)) + "}"
+        return "{" + ",".join(f"{write_key(k)}:{write_argument(value[k])}" for k in sorted(value)) + "}"
     if isinstance(value, list):
         return "[" + ",".join(write_argument(v) for v in value) + "]"
     return json.dumps(value)
+
+
+def write_key(key: str) -> str:
+    """An object's key: bare when the reader takes it bare, else between <|"|> quotes."""
+    return key if _KEY.fullmatch(key) else QUOTE + key + QUOTE
 
 
 def call_text(name: str, arguments: dict) -> str:

@@ -80,7 +80,7 @@ def test_written_arguments_read_back_the_same():
         return {"s": 'a, b: {c} "d"', "i": rng.randint(-99, 99), "f": 0.25, "b": True, "n": None}[kind]
 
     for _ in range(50):
-        args = {f"a{i}": value(0) for i in range(rng.randint(0, 4))}
+        args = {f"a{i}": value(0) for i in range(rng.randint(0, 4))} | {"a key, not bare": 1}
         assert parse_tool_calls(call_text("f", args))[0] == [("f", args)]
     with pytest.raises(Unparsed):
         parse_arguments("{a:1} extra")
@@ -248,6 +248,7 @@ def test_a_conversation_with_tool_results_goes_on(client):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "extra_body": {"reasoning": True}}, "reasoning"),
         ({"tools": [WEATHER], "tool_choice": "required", "max_tokens": 3}, "max_tokens"),
+        ({"tools": [WEATHER], "tool_choice": "required", "stop": ["}"]}, "stop"),
         (
             {
                 "tools": [

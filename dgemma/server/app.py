@@ -37,6 +37,7 @@ from ..images import DEFAULT_BUDGET, chat_prompt, open_image
 from ..model import DiffusionGemma
 from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
+from ..structured import json_text
 from ..tool_calls import CALL_OPEN, call_text
 from . import choices as runs
 from . import logprobs as logprob_blocks
@@ -393,19 +394,31 @@ async def _json_request(served: _Served, body, prompts: list[list[int]], request
         return _budget(served, requested, longest, param, prompt_param)
 
     plan = await _tokenize(served, json_plan, fmt, served.tokenizer, served.model, length, param="response_format")
+    return _shaped(served, body, plan, prompts, (requested, param, prompt_param))
+
+
+def _shaped(served: _Served, body, plan, prompts: list[list[int]], asked: tuple, write=json_text) -> _JsonRequest:
+    """A plan's request: its template within the length asked for and the context (`asked`: the tokens
+    requested, their field, the prompt's field), no stop tokens, no early commit, and the finish that
+    reads each answer back and writes it (JSON text, or a tool call)."""
+    requested, param, prompt_param = asked
     n = len(plan.template)
     if requested is not None and requested < n:
-        raise ApiError(400, f"{param} is {requested}, but the schema's answer takes {n} tokens", param)
-    _budget(served, n, longest, param, prompt_param)
+        raise ApiError(400, f"{param} is {requested}, but the answer's template takes {n} tokens", param)
+    _budget(served, n, max(len(p) for p in prompts), param, prompt_param)
     params = replace(body.sampling(n), stop_token_ids=[], early_commit=False)
-    finish = json_finish(served.engine, plan, prompts, body.n, served.tokenizer)
+    finish = json_finish(served.engine, plan, prompts, body.n, served.tokenizer, write)
     return _JsonRequest(plan.pins(), plan.constraints(), params, finish)
 
 
-async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
-    """The chat request's choices on the engine, and the pieces they give."""
+async def _chat_run(
+    served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels, shaped=None
+):
+    """The chat request's choices on the engine, and the pieces they give (`shaped`: a required call's
+    request; otherwise the response_format's, if any)."""
     requested, param = body.requested_tokens
-    shaped = await _json_request(served, body, [prompt], requested, param, "messages")
+    if shaped is None:
+        shaped = await _json_request(served, body, [prompt], requested, param, "messages")
     if shaped is None:
         params = _resolve(served, body.sampling(_budget(served, requested, len(prompt), param, "messages")))
     else:
@@ -431,7 +444,7 @@ async def _chat_run(served: _Served, body: ChatCompletionRequest, http: Request,
 async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
     """tool_choice "required" or a named function: each choice is a call of the function, its arguments
     filled under the function's parameters schema (server/structured.py), read back and validated."""
-    for name in ("reasoning", "logprobs"):
+    for name in ("reasoning", "logprobs", "stop"):
         if getattr(body, name):
             raise ApiError(400, f"{name}: does not go with a required tool call (the answer is the call)", name)
     if body.response_format is not None and body.response_format.type != "text":
@@ -443,26 +456,9 @@ async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request,
     if plan.fixed:  # a function without arguments: nothing to generate
         return given_answers(served.tokenizer, [call_text(name, {})] * body.n)
     requested, param = body.requested_tokens
-    n = len(plan.template)
-    if requested is not None and requested < n:
-        raise ApiError(400, f"{param} is {requested}, but the call takes {n} tokens", param)
-    _budget(served, n, len(prompt), param, "messages")
-    params = _resolve(served, replace(body.sampling(n), stop_token_ids=[], early_commit=False))
-    choices = runs.submit(
-        served.engine,
-        [prompt],
-        params,
-        body.n,
-        stops=None,
-        reasoning=False,
-        pins=plan.pins(),
-        allowed=plan.constraints(),
-        pixels=pixels,
-        timeout=served.request_timeout,
-    )
     write = functools.partial(call_text, name)
-    finish = json_finish(served.engine, plan, [prompt], body.n, served.tokenizer, write=write)
-    return choices, runs.run(choices, served.decode, http.is_disconnected, finish=finish)
+    shaped = _shaped(served, body, plan, [prompt], (requested, param, "messages"), write)
+    return await _chat_run(served, body, http, prompt, pixels, shaped)
 
 
 async def _chosen(served: _Served, body, prompts: list[list[int]], requested: int | None, param: str):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ..engine import Engine
 from ..generate import GenerationResult
-from ..structured import DEFAULT_RETRIES, JsonPlan, compile_schema, json_text, object_plan, unsatisfied
+from ..structured import DEFAULT_RETRIES, JsonPlan, json_text, object_plan, schema_plan, unsatisfied
 from .choices import Choice, Finish, Piece, rerun
 from .output import StreamText
 from .protocol import ApiError, ResponseFormat
@@ -26,15 +26,12 @@ def json_plan(fmt: ResponseFormat | None, tokenizer, model, length: Callable[[],
     answer (max_tokens, or the default, within the context). A schema it cannot compile is a 400."""
     if fmt is None or fmt.type == "text":
         return None
-    from ..editing import end_of_text_ids
     from ..structured import StructuredOutputError
 
-    vocab = model.text_config.vocab_size
     try:
         if fmt.type == "json_object":
-            return object_plan(tokenizer, vocab, length())
-        end = end_of_text_ids(model)[0]
-        return compile_schema(fmt.json_schema.schema_, tokenizer, vocab, model.config.canvas_length, end)
+            return object_plan(tokenizer, model.text_config.vocab_size, length())
+        return schema_plan(model, tokenizer, fmt.json_schema.schema_)
     except StructuredOutputError as e:
         raise ApiError(400, str(e), "response_format.json_schema.schema") from e
 
@@ -104,14 +101,13 @@ async def call_plan(engine: Engine, tokenizer, model, prompt: list[int], tools: 
     """tool_choice "required" or named: the function (the named one, the only one, or the one whose call
     the encoder scores best as the answer's start) and the plan of its call, whose arguments follow its
     `parameters` schema. A tool or schema that cannot be laid out is a 400 naming it."""
-    from ..editing import end_of_text_ids
     from ..structured import StructuredOutputError, choose, tool_call_plan
-    from ..tool_calls import CALL_OPEN
+    from ..tool_calls import CALL_OPEN, FUNCTION_NAME
 
     functions = [t.get("function") if isinstance(t.get("function"), dict) else t for t in tools]
     names = [f.get("name") for f in functions]
     for i, name in enumerate(names):
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}", name):
+        if not isinstance(name, str) or len(name) > 128 or not re.fullmatch(FUNCTION_NAME, name):
             raise ApiError(400, "a function name must be letters, digits, _ . - (at most 128)", f"tools.{i}")
     if named is not None:
         index = names.index(named)
@@ -124,9 +120,8 @@ async def call_plan(engine: Engine, tokenizer, model, prompt: list[int], tools: 
     parameters = functions[index].get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ApiError(400, "parameters must be a JSON schema object", f"tools.{index}.function.parameters")
-    vocab, canvas = model.text_config.vocab_size, model.config.canvas_length
     try:
-        plan = tool_call_plan(names[index], parameters, tokenizer, vocab, canvas, end_of_text_ids(model)[0])
+        plan = tool_call_plan(model, tokenizer, names[index], parameters)
     except StructuredOutputError as e:
         raise ApiError(400, str(e), f"tools.{index}.function.parameters") from e
     return names[index], plan
