@@ -5,12 +5,14 @@ The task (dgemma/tasks/extract.py): a sentence about an order in, the order as J
 `extract.SCHEMA` out; the test orders (seeds 2,000,000 on) are never seen in training. Four ways to get
 the JSON, on the same weights and prompt (the chat template's user turn):
 
-- `fill`: dgemma.generate_json, the schema laid out as a canvas, values denoised under their types'
-  tokens (docs/structured.md); retried up to twice when a bound fails;
+- `fill`: dgemma.generate_json, the schema laid out as a canvas sized by a free draft, values denoised
+  under their types' tokens (docs/structured.md); retried up to twice when a bound fails;
+- `fill, schema budgets`: the same with `size="schema"`: holes sized by the schema's bounds alone;
 - `free + parse`: dgemma.generate (the default sampler), then the first JSON object of the text,
   validated with jsonschema;
-- `AR + schema`: dgemma.structured.generate_json_ar, the same template decoded token by token by the
-  causal encoder, greedy, each hole under the same allowed tokens (what a grammar engine does);
+- `AR + schema`: dgemma.structured.generate_json_ar, the causal encoder decoding greedily under the
+  schema's grammar, each token the likeliest that keeps the text a valid prefix (what a grammar engine
+  does);
 - `AR free + parse`: dgemma.generate_ar (greedy), then parse.
 
 Per way: the share of answers that are valid JSON for the schema, the share of fields equal to the
@@ -37,7 +39,7 @@ from dgemma.structured import StructuredOutputError, first_object, generate_json
 from dgemma.tasks import extract
 from dgemma.tasks.code import MODEL_DIR as CODE_DIR
 
-WAYS = ("fill", "free + parse", "AR + schema", "AR free + parse")
+WAYS = ("fill", "fill, schema budgets", "free + parse", "AR + schema", "AR free + parse")
 
 
 def _parsed(text: str):
@@ -53,8 +55,9 @@ def answer(way: str, model, tok, prompt: list[int], seed: int):
     """(value or None, model passes) of one way on one prompt."""
     canvas = model.config.canvas_length
     try:
-        if way == "fill":
-            out = generate_json(model, prompt, extract.SCHEMA, tokenizer=tok, seed=seed)
+        if way.startswith("fill"):
+            size = "schema" if "budgets" in way else "draft"
+            out = generate_json(model, prompt, extract.SCHEMA, tokenizer=tok, seed=seed, size=size)
             return out.value, out.steps
         if way == "AR + schema":
             out = generate_json_ar(model, prompt, extract.SCHEMA, tokenizer=tok)
@@ -109,11 +112,11 @@ def main() -> None:
     results = {"extract": evaluate(args.model, args.n)}
     if args.code_n:
         results["code"] = evaluate(CODE_DIR, args.code_n)
-    print(f"\n{'model':8} {'way':16} {'valid':>7} {'fields':>7} {'all':>7} {'passes':>7} {'s/answer':>9}")
+    print(f"\n{'model':8} {'way':21} {'valid':>7} {'fields':>7} {'all':>7} {'passes':>7} {'s/answer':>9}")
     for name, rows in results.items():
         for way, r in rows.items():
             print(
-                f"{name:8} {way:16} {r['valid']:7.1%} {r['field_accuracy']:7.1%} {r['all_fields']:7.1%} "
+                f"{name:8} {way:21} {r['valid']:7.1%} {r['field_accuracy']:7.1%} {r['all_fields']:7.1%} "
                 f"{r['passes_per_answer']:7.1f} {r['seconds_per_answer']:9.3f}"
             )
     print(json.dumps({"n": args.n, "code_n": args.code_n, **results}))

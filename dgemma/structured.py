@@ -3,31 +3,35 @@
 A left-to-right engine constrains its output with a grammar automaton, token by token. A canvas model can
 lay the structure out first and denoise only the values, with the whole answer in view. `generate_json`
 compiles a JSON schema into a template (dgemma.fill) and per-position allowed tokens
-(dgemma.constraints):
+(dgemma.constraints), sized by a free draft of the answer (`draft_plan`):
 
-    {"name":"<string hole>","age":<integer hole>,"tags":[<string hole><sep><string hole>],"ok":<choice>}
+    {"name":"<2 string tokens>","age":<1 token of 2 digits>,"tags":["<1>","<3>"],"ok":<true or false>}
 
-- keys, punctuation and fixed literals (`const`, `null`, a one-value `enum`) are pinned, in compact JSON
-  (no spaces, so no token boundary falls inside a space-led piece);
-- each value is a hole whose positions allow only the tokens its type can hold, and the tokens that end
-  it: a string's characters (no quote, backslash or control character) or a quote-led token, which
-  closes it; a number's digits (a minus first, a dot inside for `number`) or a token that can follow a
-  number (`,` `}` `]` or whitespace). The model sizes each value itself: the value ends at its closing
-  token and what the hole holds after it is dropped. A hole's length is its budget: `maxLength` + 1 for a
-  string (at most `MAX_STRING_TOKENS`, `DEFAULT_STRING_TOKENS` without one), the digits `minimum` and
-  `maximum` allow for a number;
-- an array has `maxItems` slots (`DEFAULT_MAX_ITEMS` without one), the first `minItems` joined by pinned
-  commas, each later one after a one-token hole that is a comma (another item) or a `]` (the end);
-- `enum` and `boolean` are a choice: the hole allows, at each position, the tokens the options have
-  there; a fill that spells an option is that option, any other is decided by the encoder's
-  log-probability of each option after the JSON before it (as `choices` are scored);
+- keys, punctuation and fixed literals (`const`, `null`, a one-value `enum`) are pinned, in compact JSON,
+  each run of them from one value to the next (a string's closing quote included) tokenized as one
+  text, so the template is split as the tokenizer splits such an answer;
+- a value the draft holds with the schema's type and bounds sizes its hole: a string's n tokens are n
+  positions of string tokens (no quote, backslash or control character); a number keeps its sign and,
+  per token, a position for any token of as many digits (or the dot); an `enum`/`boolean` holds the
+  options spelled in as many tokens as the drafted one; an array keeps its count of items;
+- any other value keeps the schema's layout, where the model closes the value itself: a string's
+  characters or a quote-led token, which closes it; a number's digits (a minus first, a dot inside for
+  `number`) or a token that can follow a number (`,` `}` `]` or whitespace); what the hole holds after
+  the closing token is dropped. A hole's length is its budget: `maxLength` + 1 for a string (at most
+  `MAX_STRING_TOKENS`, `DEFAULT_STRING_TOKENS` without one), the digits `minimum` and `maximum` allow
+  for a number; an array has `maxItems` slots (`DEFAULT_MAX_ITEMS` without one), the first `minItems`
+  joined by pinned commas, each later one after a one-token hole that is a comma (another item) or a
+  `]` (the end); `size="schema"` lays every value out so;
+- a fill of an `enum` or `boolean` that spells no option is decided by the encoder's log-probability
+  of each option after the JSON before it (as `choices` are scored);
 - the template is followed by end-of-text pins to the end of its canvas; a template longer than a
   canvas continues in the next ones.
 
 The values are read back from the filled holes and the JSON is written from them (`json.dumps`), so it
 always parses and has the schema's shape; what a shape cannot guarantee (`minLength`, `minimum`,
-`maximum`, a lone minus sign) is checked with `jsonschema`, and a failing answer is drawn again with the
-next seed, up to `retries` times, before `StructuredOutputError`.
+`maximum`, a lone minus sign) is checked with `jsonschema`, and a failing answer is filled again with the
+next seed, up to `retries` times, before `StructuredOutputError`. `generate_json_ar` is the same schema
+decoded left to right under its grammar (`grammar_state`), the baseline a grammar engine gives.
 
 Supported keywords: `type` (object, array, string, integer, number, boolean, null), `properties`,
 `required`, `additionalProperties` (false or true: only the declared properties are written, all of
@@ -40,6 +44,7 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -54,7 +59,7 @@ import torch
 
 from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
-from .generate import GenerationResult, GenerationStats, SamplingParams, prompt_rows
+from .generate import GenerationResult, GenerationStats, SamplingParams, generate, prompt_rows
 from .runner import Runner, as_runner
 from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument, write_key
 
@@ -98,6 +103,11 @@ class TokenClasses:
         special = tokenizer.special_ids
         self._usable = [i not in special and t != "" and "\ufffd" not in t for i, t in enumerate(self.texts)]
         self._argument_strings: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._digits_of: dict[int, torch.Tensor] = {}
+
+    def usable(self, token: int) -> bool:
+        """Whether `token` may stand in a value (not special, not a byte piece)."""
+        return self._usable[token]
 
     def where(self, test: Callable[[str], bool]) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -129,6 +139,12 @@ class TokenClasses:
     @functools.cached_property
     def digits(self) -> torch.Tensor:
         return self.where(str.isdecimal) & self.where(lambda t: t.isascii())
+
+    def digits_of(self, n: int) -> torch.Tensor:
+        """The tokens of exactly `n` decimal digits."""
+        if n not in self._digits_of:
+            self._digits_of[n] = self.digits & self.where(lambda t: len(t) == n)
+        return self._digits_of[n]
 
     @functools.cached_property
     def one_digit(self) -> torch.Tensor:
@@ -233,11 +249,11 @@ class _Read:
     classes: TokenClasses
     score: Callable[[int, list[list[int]]], int]  # (template position, options' tokens) -> best option
 
-    def text(self, span: slice, end: torch.Tensor) -> str:
-        """The text of a hole up to (not including) its first token in `end`."""
+    def text(self, span: slice, end: torch.Tensor | None) -> str:
+        """The text of a hole up to (not including) its first token in `end` (None: all of it)."""
         out = []
         for t in self.tokens[span]:
-            if bool(end[t]):
+            if end is not None and bool(end[t]):
                 break
             out.append(self.classes.texts[t])
         return "".join(out)
@@ -254,6 +270,12 @@ class _Const:
     def layout(self, b: _Layout) -> None:
         b.text(b.syntax.write(self.value))
 
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        pass
+
+    def scan(self, text: str, i: int):
+        yield from _literal(json_text(self.value), text, i)
+
     def read(self, r: _Read) -> Any:
         return self.value
 
@@ -261,17 +283,44 @@ class _Const:
 class _String:
     def __init__(self, budget: int, min_length: int, max_length: int | None):
         self.budget, self.min_length, self.max_length = budget, min_length, max_length
+        self.length: int | None = None  # sized: exactly this many tokens, the closing quote pinned
+
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        if isinstance(value, str) and self.min_length <= len(value) <= (self.max_length or len(value)):
+            ids = c.tokenizer.encode(value, add_special_tokens=False) if value else []
+            body = c.string(syntax)[0]
+            if len(ids) <= self.budget and all(t < c.vocab_size and bool(body[t]) for t in ids):
+                self.length = len(ids)
 
     def layout(self, b: _Layout) -> None:
         b.text(b.syntax.string_open)
         body, self.close = b.classes.string(b.syntax)
+        if self.length is not None:
+            self.span = b.hole([body] * self.length)
+            b.text(b.syntax.string_open)
+            return
         # a token holds at least one character: `minLength` positions that cannot close the string
         # give at least minLength characters
         first = min(self.min_length, self.budget - 1)
         self.span = b.hole([body] * first + [body | self.close] * (self.budget - first), self.close)
 
+    def scan(self, text: str, i: int):
+        if i == len(text):
+            yield MORE
+        elif text[i] == '"':
+            j = i + 1
+            while j < len(text) and text[j] not in '"\\' and ord(text[j]) >= 0x20:
+                j += 1
+            n = j - i - 1
+            if self.max_length is not None and n > self.max_length:
+                return
+            if j == len(text):
+                yield MORE
+            elif text[j] == '"' and n >= self.min_length:
+                yield j + 1
+
     def read(self, r: _Read) -> str:
-        text = r.text(self.span, self.close)
+        text = r.text(self.span, None if self.length is not None else self.close)
         return text if self.max_length is None else text[: self.max_length]
 
 
@@ -285,9 +334,36 @@ class _Number:
 
     def __init__(self, budget: int, signed: bool, integer: bool, digits: tuple[int, int] | None = None):
         self.budget, self.signed, self.integer, self.digits = budget, signed, integer, digits
+        self.shape: tuple[bool, list[torch.Tensor]] | None = None  # sized: (negative, a mask per token)
+
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        """Sized by a drafted number: its sign pinned, then per token of its digits a position for any
+        token of as many digits (or the dot), so the digit count is the draft's and the digits are free."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return
+        if (self.integer and not isinstance(value, int)) or (value < 0 and not self.signed):
+            return
+        low, high = self.bounds
+        if (low is not None and value < low) or (high is not None and value > high):
+            return  # out of bounds: the schema's layout (one digit per position keeps a digit count)
+        masks = []
+        for t in c.tokenizer.encode(json_text(abs(value)), add_special_tokens=False):
+            text = c.texts[t] if t < c.vocab_size else ""
+            if text.isascii() and text.isdecimal():
+                masks.append(c.digits_of(len(text)))
+            elif text == "." and not self.integer:
+                masks.append(c.dot)
+            else:  # an exponent, or a piece that is not digits: not sized
+                return
+        self.shape = (value < 0, masks)
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
+        if self.shape is not None:
+            negative, masks = self.shape
+            b.text("-" if negative else "")
+            self.sign, self.span = None, b.hole(masks)
+            return
         self.sign = b.hole([c.minus | c.blank]) if self.signed and bool(c.blank.any()) else None
         if self.digits is not None:
             fewest, most = self.digits
@@ -300,37 +376,107 @@ class _Number:
         first = c.digits | c.minus if self.signed and self.sign is None else c.digits
         self.span = b.hole([first] + [rest] * (self.budget - 1), c.after_value)
 
+    bounds: tuple[float | None, float | None] = (None, None)  # the inclusive range (set by `_number`)
+
+    def scan(self, text: str, i: int):
+        j = i + (text[i : i + 1] == "-")
+        while j < len(text) and text[j] in "0123456789.":
+            j += 1
+        run = text[i:j]
+        if j == len(text) and self._may_become(run):
+            yield MORE
+        full = r"-?(0|[1-9]\d*)" if self.integer else r"-?(0|[1-9]\d*)(\.\d+)?"
+        low, high = self.bounds
+        if re.fullmatch(full, run) and (low is None or float(run) >= low) and (high is None or float(run) <= high):
+            yield j
+
+    def _may_become(self, run: str) -> bool:
+        """Whether more characters can make `run` a number within the bounds."""
+        part = r"-?(0|[1-9]\d*)?" if self.integer else r"-?((0|[1-9]\d*)(\.\d*)?)?"
+        if not re.fullmatch(part, run):
+            return False
+        low, high = self.bounds
+        if run.startswith("-") and low is not None and low >= 0:
+            return False
+        if not (self.integer and run.isdecimal() and low is not None and high is not None and low >= 0):
+            return True
+        d, most = int(run), len(str(int(high))) - len(run)
+        widths = [0] if run == "0" else range(most + 1)
+        return any(d * 10**k <= high and (d + 1) * 10**k - 1 >= low for k in widths)
+
     def read(self, r: _Read) -> int | float:
-        text = r.text(self.span, r.classes.after_value)
-        m = re.match(r"-?\d+" if self.integer else r"-?\d+(\.\d+)?", text)
-        if m is None:  # only without a blank token in the vocabulary: a lone minus
-            raise _Invalid(f"{text!r} is not a number")
-        negative = self.sign is not None and r.classes.texts[r.tokens[self.sign.start]] == "-"
+        if self.shape is not None:
+            text = r.text(self.span, None)
+            m = re.fullmatch(r"\d+" if self.integer else r"\d+(\.\d+)?", text)
+            if m is None:  # a dot first or last
+                raise _Invalid(f"{text!r} is not a number")
+            negative = self.shape[0]
+        else:
+            text = r.text(self.span, r.classes.after_value)
+            m = re.match(r"-?\d+" if self.integer else r"-?\d+(\.\d+)?", text)
+            if m is None:  # only without a blank token in the vocabulary: a lone minus
+                raise _Invalid(f"{text!r} is not a number")
+            negative = self.sign is not None and r.classes.texts[r.tokens[self.sign.start]] == "-"
         number = ("-" if negative else "") + m.group(0)
         return int(number) if self.integer or m.group(1) is None else float(number)
 
 
 class _Choice:
+    """One of `options`. Unsized, a hole holds any option's written tokens (a shorter one followed by a
+    token that ends a value). Sized by a drafted option, a hole of its length holds the options written
+    in as many tokens (a string's quotes pinned around it, as the tokenizer splits them in context)."""
+
     def __init__(self, options: list[Any]):
         self.options = options
+        self.drafted: list[Any] = []  # sized: [the drafted option]
+
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        self.drafted = [o for o in self.options if type(o) is type(value) and o == value][:1]
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
-        self.ids = [c.tokenizer.encode(b.syntax.write(o), add_special_tokens=False) for o in self.options]
-        n = max(len(i) for i in self.ids)
+        if self.drafted:
+            self._layout_sized(b)
+            return
+        self.written = [(o, c.tokenizer.encode(b.syntax.write(o), add_special_tokens=False)) for o in self.options]
+        n = max(len(ids) for _, ids in self.written)
         masks = []
         for k in range(n):
-            mask = c.after_value.clone() if any(len(i) <= k for i in self.ids) else torch.zeros_like(c.after_value)
-            mask[[i[k] for i in self.ids if len(i) > k]] = True
+            short = any(len(ids) <= k for _, ids in self.written)
+            mask = c.after_value.clone() if short else torch.zeros_like(c.after_value)
+            mask[[ids[k] for _, ids in self.written if len(ids) > k]] = True
             masks.append(mask)
-        self.span = b.hole(masks, c.after_value)
+        self.span, self.end = b.hole(masks, c.after_value), c.after_value
+
+    def _layout_sized(self, b: _Layout) -> None:
+        c, quote = b.classes, b.syntax.string_open
+        quoted = isinstance(self.drafted[0], str)
+
+        def body(o: Any) -> list[int]:
+            text = b.syntax.write(o)
+            return c.tokenizer.encode(text[len(quote) : -len(quote)] if quoted else text, add_special_tokens=False)
+
+        n = len(body(self.drafted[0]))
+        same = [o for o in self.options if isinstance(o, str) == quoted]
+        self.written = [(o, ids) for o in same if len(ids := body(o)) == n]
+        b.text(quote if quoted else "")
+        masks = [torch.zeros(c.vocab_size, dtype=torch.bool) for _ in range(n)]
+        for _, ids in self.written:
+            for k, t in enumerate(ids):
+                masks[k][t] = True
+        self.span, self.end = b.hole(masks), None
+        b.text(quote if quoted else "")
+
+    def scan(self, text: str, i: int):
+        for option in self.options:
+            yield from _literal(json_text(option), text, i)
 
     def read(self, r: _Read) -> Any:
         got = r.tokens[self.span]
-        for option, ids in zip(self.options, self.ids, strict=True):
-            if got[: len(ids)] == ids and (len(ids) == len(got) or bool(r.classes.after_value[got[len(ids)]])):
+        for option, ids in self.written:
+            if got[: len(ids)] == ids and (len(ids) == len(got) or bool(self.end[got[len(ids)]])):
                 return option
-        return self.options[r.score(self.span.start, self.ids)]
+        return self.written[r.score(self.span.start, [ids for _, ids in self.written])][0]
 
 
 class _Object:
@@ -345,6 +491,17 @@ class _Object:
             node.layout(b)
         b.text("}")
 
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        if isinstance(value, dict):
+            for key, node in self.properties:
+                node.size(value.get(key), c, syntax)
+
+    def scan(self, text: str, i: int):
+        parts = ["{"]
+        for k, (key, node) in enumerate(self.properties):
+            parts += [("," if k else "") + json_text(key) + ":", node]
+        yield from _sequence([*parts, "}"], text, i)
+
     def read(self, r: _Read) -> dict:
         return {key: node.read(r) for key, node in self.properties}
 
@@ -352,6 +509,14 @@ class _Object:
 class _Array:
     def __init__(self, items: list[Any], min_items: int):
         self.items, self.min_items = items, min_items
+
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        """Sized by a drafted list: its count of items (within the bounds), each sized by its own."""
+        if isinstance(value, list):
+            count = min(max(len(value), self.min_items), len(self.items))
+            self.items, self.min_items = self.items[:count], count
+            for node, item in zip(self.items, value, strict=False):
+                node.size(item, c, syntax)
 
     def layout(self, b: _Layout) -> None:
         c = b.classes
@@ -367,6 +532,15 @@ class _Array:
             node.layout(b)
         b.text("]")
 
+    def scan(self, text: str, i: int):
+        def items(k: int, at: int):
+            if k >= self.min_items:
+                yield from _literal("]", text, at)
+            if k < len(self.items):
+                yield from _sequence([("," if k else ""), self.items[k]], text, at, then=lambda j: items(k + 1, j))
+
+        yield from _sequence(["["], text, i, then=lambda j: items(0, j))
+
     def read(self, r: _Read) -> list:
         out = []
         for sep, node in zip(self.seps, self.items, strict=True):
@@ -379,6 +553,39 @@ class _Array:
 def json_text(value: Any) -> str:
     """Compact JSON, as answers and templates write it."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+# The grammar of a schema's answers, for decoding left to right: a node's `scan(text, i)` yields every
+# index where a value of its own that starts at i can end, and MORE if the text ends inside one (more
+# characters could complete it). Only compact JSON, keys in the schema's order, strings without escapes:
+# the answers the templates write.
+MORE = -1
+
+
+def _literal(literal: str, text: str, i: int):
+    if text.startswith(literal, i):
+        yield i + len(literal)
+    elif literal.startswith(text[i:]):
+        yield MORE
+
+
+def _sequence(parts: list, text: str, i: int, then: Callable | None = None):
+    """The ends of `parts` (literal texts and nodes) written one after the other from i, then `then`."""
+    if not parts:
+        yield from (then(i) if then is not None else [i])
+        return
+    head = _literal(parts[0], text, i) if isinstance(parts[0], str) else parts[0].scan(text, i)
+    for j in head:
+        if j == MORE:
+            yield MORE
+        else:
+            yield from _sequence(parts[1:], text, j, then)
+
+
+def grammar_state(root: Any, text: str) -> tuple[bool, bool]:
+    """(whether `text` can be continued into an answer of `root`'s schema, whether it is one)."""
+    ends = set(root.scan(text, 0))
+    return MORE in ends, len(text) in ends
 
 
 # ------------------------------------------------------------------------------------------------
@@ -484,10 +691,14 @@ def _number(schema: dict, integer: bool) -> _Number | _Choice:
         if 0 <= high - low < SMALL_RANGE:
             return _Choice(list(range(low, high + 1)))
         if 0 <= low <= high:
-            return _Number(0, False, True, digits=(len(str(low)), len(str(high))))
+            node = _Number(0, False, True, digits=(len(str(low)), len(str(high))))
+            node.bounds = (low, high)
+            return node
     signed = low is None or low < 0
     digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
-    return _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
+    node = _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
+    node.bounds = (low, high)
+    return node
 
 
 def _boolean(schema: dict, path: str, depth: int) -> _Choice:
@@ -510,19 +721,26 @@ class JsonPlan:
     classes: TokenClasses
     validator: Any = None
     holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole and what ends it
+    resize: Callable[[str], JsonPlan] | None = None  # the plan sized by a free draft's text (schemas only)
+    end: int | None = None  # the end-of-text token the template is padded with
 
     @property
     def fixed(self) -> bool:
         """Nothing to generate (a tool call without arguments): the answer is the template."""
         return all(t is not None for t in self.template)
 
-    def pins(self) -> torch.Tensor:
-        """The template as fill's pins [1, length] (-1 at the holes)."""
-        return torch.tensor([[-1 if t is None else t for t in self.template]], dtype=torch.long)
+    def pins(self, length: int | None = None) -> torch.Tensor:
+        """The template as fill's pins [1, length] (-1 at the holes), padded with its end token to
+        `length` (default: its own)."""
+        pad = [self.end] * ((length or len(self.template)) - len(self.template))
+        return torch.tensor([[-1 if t is None else t for t in self.template + pad]], dtype=torch.long)
 
-    def constraints(self) -> Allowed | None:
-        """The allowed tokens as generate's `allowed` (None for a free object)."""
-        return None if self.allowed is None else Allowed.from_sets([self.allowed], self.classes.vocab_size)
+    def constraints(self, length: int | None = None) -> Allowed | None:
+        """The allowed tokens as generate's `allowed` (None for a free object), `length` long."""
+        if self.allowed is None:
+            return None
+        pad = [None] * ((length or len(self.template)) - len(self.template))
+        return Allowed.from_sets([self.allowed + pad], self.classes.vocab_size)
 
     def read(self, model: Runner | Any, prompt: list[int], tokens: list[int]) -> tuple[Any, str | None]:
         """The answer a fill of this plan holds and None, or None and why it is not valid (model passes,
@@ -566,10 +784,12 @@ def compile_schema(
     *,
     syntax: Syntax = JSON,
     wrap: tuple[str, str] = ("", ""),
+    draft: Any = None,
 ) -> JsonPlan:
     """Check `schema` (jsonschema's own check first) and lay it out as a template (see the module
     docstring) in `syntax`, between the pinned texts `wrap`, padded with `end_id` to the end of its
-    last canvas."""
+    last canvas. `draft`, a value the model wrote freely, sizes each value it holds with the right type
+    (`sized_plan`); the others keep their schema budgets."""
     import jsonschema
 
     try:
@@ -581,6 +801,7 @@ def compile_schema(
         raise StructuredOutputError(f"the schema expands to more than {MAX_VALUES} values (arrays: maxItems each)")
     root = _node(schema, "", 0)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
+    root.size(draft, b.classes, syntax)
     b.text(wrap[0])
     root.layout(b)
     b.text(wrap[1])
@@ -589,14 +810,48 @@ def compile_schema(
         raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
-    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes)
+    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
 
 
 def schema_plan(model: Runner | Any, tokenizer, schema: dict, **layout) -> JsonPlan:
-    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token."""
+    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token; the plan can be
+    sized by a draft (`JsonPlan.resize`)."""
     m = as_runner(model).model
     end = end_of_text_ids(m)[0]
-    return compile_schema(schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end, **layout)
+    args = (schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
+    wrap = layout.get("wrap", ("", ""))
+    read = _drafted_call(wrap[0][len(CALL_OPEN) + len("call:") :]) if wrap[0] else _drafted_json
+    plan = compile_schema(*args, **layout)
+    plan.resize = lambda text: compile_schema(*args, **layout, draft=read(text, schema))
+    return plan
+
+
+def _drafted_json(text: str, schema: dict) -> Any:
+    """The value a free draft holds: the JSON object from its first `{`, or, when that does not parse,
+    each top-level property whose `"key":` the text holds followed by a JSON value."""
+    start = text.find("{")
+    value, error = first_object(text[start:]) if start >= 0 else (None, "no object")
+    if error is None:
+        return value
+    found, decoder = {}, json.JSONDecoder()
+    for key in schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else ():
+        at = text.find(json_text(key) + ":")
+        if at >= 0:
+            start = at + len(json_text(key)) + 1
+            start += len(text[start:]) - len(text[start:].lstrip())
+            with contextlib.suppress(json.JSONDecodeError):
+                found[key] = decoder.raw_decode(text, start)[0]
+    return found
+
+
+def _drafted_call(name: str) -> Callable[[str, dict], Any]:
+    """The arguments of a free draft's first call of function `name` (None when it has none)."""
+    from .tool_calls import parse_tool_calls
+
+    def read(text: str, schema: dict) -> Any:
+        return next((arguments for called, arguments in parse_tool_calls(text)[0] if called == name), None)
+
+    return read
 
 
 def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict | None) -> JsonPlan:
@@ -645,19 +900,24 @@ def generate_json(
     tokenizer,
     retries: int = DEFAULT_RETRIES,
     max_new_tokens: int | None = None,
+    size: str = "draft",
     **overrides,
 ) -> JsonResult:
     """An answer to `prompt` (text or token ids, one row) that is JSON valid against `schema`.
 
     The schema is compiled into a template with constrained holes and filled (see the module docstring);
     `schema=None` asks for any JSON object, in at most `max_new_tokens` (default: the checkpoint's), as
-    free text after a pinned `{`. An answer that fails is drawn again with the next seed, up to `retries`
-    times, then StructuredOutputError. `overrides` set SamplingParams fields (seed, steps, sampler, ...).
+    free text after a pinned `{`. `size="draft"` (the default) sizes the values by a free draft first
+    (`draft_plan`, once), `"schema"` by the schema's bounds alone. An answer that fails is filled again
+    with the next seed, up to `retries` times, then StructuredOutputError. `overrides` set
+    SamplingParams fields (seed, steps, sampler, ...).
     """
     runner = as_runner(model)
     m = runner.model
     if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 8:
         raise ValueError("retries must be an integer in [0, 8]")
+    if size not in ("draft", "schema"):
+        raise ValueError(f"size must be 'draft' or 'schema' (got {size!r})")
     rows = prompt_rows(prompt, tokenizer)
     if len(rows) != 1:
         raise ValueError("generate_json takes one prompt")
@@ -669,6 +929,8 @@ def generate_json(
         plan = schema_plan(runner, tokenizer, schema)
     seed = overrides.pop("seed", None if params is None else params.seed)
     errors, steps = [], 0
+    if size == "draft" and plan.resize is not None:
+        plan, steps = draft_plan(runner, plan, rows[0], params, tokenizer=tokenizer, seed=seed, **overrides)
     for attempt in range(retries + 1):
         s = None if seed is None else seed + attempt
         result = fill(runner, plan.template, rows[0], params, allowed=plan.allowed, seed=s, **overrides)
@@ -678,6 +940,20 @@ def generate_json(
             return JsonResult(value, json_text(value), attempt + 1, steps, result, errors)
         errors.append(error)
     raise unsatisfied(retries + 1, errors[-1], steps)
+
+
+def draft_plan(
+    model: Runner | Any, plan: JsonPlan, prompt: list[int], params: SamplingParams | None, *, tokenizer, **overrides
+) -> tuple[JsonPlan, int]:
+    """`plan` sized by the model: a free answer to `prompt` (as long as the plan's template, the same
+    sampling), whose values size the holes (`JsonPlan.resize`: a string of n tokens is a hole of n string
+    tokens with its closing quote pinned; a number keeps its sign and digit counts; an enum holds the
+    options spelled in as many tokens; an array keeps its count), so the template is tokenized as the
+    model writes such an answer. Returns it and the draft's denoising steps."""
+    if plan.resize is None:
+        raise ValueError("only a schema's plan can be sized by a draft")
+    r = generate(model, [prompt], params, max_new_tokens=len(plan.template), **overrides)
+    return plan.resize(tokenizer.decode(r.tokens[0])), sum(r.stats.steps_per_canvas[0])
 
 
 def unsatisfied(attempts: int, last: str, steps: int = 0) -> StructuredOutputError:
@@ -736,52 +1012,52 @@ def _option_ids(option, tokenizer, vocab: int, i: int) -> list[int]:
 
 
 @torch.no_grad()
-def decode_left_to_right(model: Runner | Any, plan: JsonPlan, prompt: list[int]) -> tuple[list[int], int]:
-    """A plan's template decoded token by token by the causal encoder, as a grammar engine would: pinned
-    runs are fed as they are, each hole position takes the encoder's likeliest allowed token (greedy),
-    and a hole is left as soon as its value closes (its remaining positions repeat the closing token,
-    which reading drops). Returns the template's tokens and the forward passes it took."""
+def decode_grammar(model: Runner | Any, plan: JsonPlan, prompt: list[int]) -> tuple[list[int], int, str | None]:
+    """A schema's answer decoded token by token by the causal encoder, as a grammar engine does: greedy,
+    each step takes the likeliest token whose text keeps the answer a prefix of a valid one
+    (`grammar_state`), and the end of text once the answer is whole. The tokens are the model's own
+    (a `","` that closes a string and opens the next key is one token, as in training). At most as many
+    tokens as the plan's template. Returns the tokens, the forward passes, and why it failed (None)."""
     runner = as_runner(model)
-    m = runner.model
-    last = max(span.stop for span, _ in plan.holes)  # after the last hole everything is pinned: not fed
-    cache = m.new_cache(1, len(prompt) + last)
-    starts = {span.start: (span, end) for span, end in plan.holes}
-    out = list(plan.template)
+    m, c = runner.model, plan.classes
+    ends = set(end_of_text_ids(m))
+    cache = m.new_cache(1, len(prompt) + len(plan.template) + 1)
 
     def feed(tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=m.device)
         return runner.encode(ids, cache, return_logits=True).logits[0, -1].float()
 
-    logits, forwards, i = feed(prompt), 1, 0
-    while i < last:
-        if i not in starts:
-            j = next(k for k in range(i, last) if k in starts)
-            logits, forwards, i = feed(plan.template[i:j]), forwards + 1, j
-            continue
-        span, end = starts[i]
-        for pos in range(span.start, span.stop):
-            token = int(logits.masked_fill(~plan.allowed[pos].to(logits.device), float("-inf")).argmax())
-            out[pos] = token
-            logits, forwards = feed([token]), forwards + 1
-            if end is not None and bool(end[token]):
-                out[pos + 1 : span.stop] = [token] * (span.stop - pos - 1)
+    logits, out, text = feed(prompt), [], ""
+    while len(out) < len(plan.template):
+        for t in torch.argsort(logits, descending=True).tolist():
+            if t in ends:
+                if grammar_state(plan.root, text)[1]:
+                    return out, len(out) + 1, None
+            elif t < c.vocab_size and c.usable(t) and any(grammar_state(plan.root, text + c.texts[t])):
                 break
-        i = span.stop
-    return out, forwards
+        else:
+            return out, len(out) + 1, f"no token continues {text!r} within the schema"
+        out.append(t)
+        text += c.texts[t]
+        logits = feed([t])
+    return out, len(out) + 1, f"the answer is longer than {len(plan.template)} tokens"
 
 
 def generate_json_ar(model: Runner | Any, prompt, schema: dict, *, tokenizer) -> JsonResult:
-    """`generate_json`'s answer decoded left to right under the same schema (`decode_left_to_right`):
-    the autoregressive baseline, on the same weights. Greedy, so there is nothing to retry:
-    StructuredOutputError if the answer does not validate. `steps` counts forward passes."""
+    """`generate_json`'s answer decoded left to right under the same schema (`decode_grammar`): the
+    autoregressive baseline, on the same weights. Greedy, so there is nothing to retry:
+    StructuredOutputError if the decoding fails or the answer does not validate. `steps` counts forward
+    passes."""
     runner = as_runner(model)
     rows = prompt_rows(prompt, tokenizer)
     if len(rows) != 1:
         raise ValueError("generate_json_ar takes one prompt")
     plan = schema_plan(runner, tokenizer, schema)
     t0 = time.perf_counter()
-    tokens, forwards = decode_left_to_right(runner, plan, rows[0])
-    value, error = plan.read(runner, rows[0], tokens)
+    tokens, forwards, error = decode_grammar(runner, plan, rows[0])
+    if error is None:
+        value = json.loads(tokenizer.decode(tokens))
+        error = next((e.message for e in plan.validator.iter_errors(value)), None)
     if error is not None:
         raise unsatisfied(1, error, forwards)
     elapsed = time.perf_counter() - t0

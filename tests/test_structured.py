@@ -107,7 +107,7 @@ def test_choices_that_spell_no_option_are_scored_by_the_encoder(code):
     asked = []
     got = node.read(_Read(tokens, b.classes, lambda pos, opts: asked.append(pos) or 2))
     assert got == "gamma" and asked == [node.span.start]  # no option spelled: the scorer decides
-    ids = node.ids[1]
+    ids = node.written[1][1]
     hole = node.span.stop - node.span.start
     spelled = tokens[: node.span.start] + (ids + [close] * hole)[:hole] + tokens[node.span.stop :]
     assert node.read(_Read(spelled, b.classes, None)) == "beta"  # spelled, then a token that ends a value
@@ -127,7 +127,8 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
 
     context = prompt + tokens[: choice.span.start]
     after = [t for t in plan.template[choice.span.stop :] if t is not None][:1]
-    scores = [float(lp.sum()) for lp in continuation_logprobs(model, context, [o + after for o in choice.ids])]
+    options = [ids + after for _, ids in choice.written]
+    scores = [float(lp.sum()) for lp in continuation_logprobs(model, context, options)]
     assert value["v"] == choice.options[max(range(3), key=scores.__getitem__)]
 
 
@@ -191,16 +192,34 @@ def test_choose_scores_each_option_as_the_whole_answer(code):
 
 def test_the_same_schema_decoded_left_to_right_validates_too(code):
     model, tok = code
-    from dgemma.structured import decode_left_to_right, generate_json_ar
+    from dgemma.structured import decode_grammar, generate_json_ar
 
-    out = generate_json_ar(model, "# a person\nperson = ", PERSON, tokenizer=tok)
+    prompt = "# a person\nperson = "
+    out = generate_json_ar(model, prompt, PERSON, tokenizer=tok)
     jsonschema.validate(out.value, PERSON)
     plan = _plan(code, PERSON)
-    tokens, forwards = decode_left_to_right(model, plan, tok.encode("# a person\nperson = "))
-    assert forwards == out.steps and forwards < len(plan.template)  # closed holes are left early
-    assert all(t == p for t, p in zip(tokens, plan.template, strict=True) if p is not None)
-    for (span, _end), t in ((h, tokens[h[0].start]) for h in plan.holes):
-        assert bool(plan.allowed[span.start][t])
+    tokens, forwards, error = decode_grammar(model, plan, tok.encode(prompt))
+    assert error is None and forwards == out.steps == len(tokens) + 1  # one pass per token and the end
+    assert json.loads(tok.decode(tokens)) == out.value
+
+
+def test_the_grammar_takes_every_prefix_of_an_answer_and_refuses_the_rest(code):
+    from dgemma.structured import grammar_state
+
+    root = _plan(code, PERSON).root
+    answer = json.dumps(
+        {"name": "Ada", "age": 36, "height": 1.7, "member": True, "pet": "dog", "tags": ["a", "b"],
+         "address": {"city": "Oslo", "zip": 150}, "kind": "person", "note": None},
+        separators=(",", ":"),
+    )  # fmt: skip
+    assert all(grammar_state(root, answer[:k]) == (True, False) for k in range(len(answer)))
+    assert grammar_state(root, answer) == (False, True)
+    ada = '{"name":"Ada","age":'
+    for wrong in ('{"age"', '{"name":"A","', ada + "131", ada + "01", ada + "-"):
+        assert not any(grammar_state(root, wrong)), wrong  # key order, minLength, bounds, a leading 0, a sign
+    assert grammar_state(root, '{"name":"Ada","age":13')[0]  # 13 may still become 130
+    too_many = answer.replace('["a","b"]', '["a","b","c","d"]')
+    assert not any(grammar_state(root, too_many[: too_many.index('"d"')]))  # maxItems 3
 
 
 def test_bounded_integers_hold_their_bounds_by_construction(code):
@@ -227,3 +246,63 @@ def test_a_schema_that_expands_too_far_is_refused_before_it_is_built(code):
         nested = {"type": "array", "items": nested, "maxItems": 32}
     with pytest.raises(StructuredOutputError, match="expands to more than"):
         _plan(code, {"type": "object", "properties": {"a": nested}})
+
+
+def _aligned(plan, tokens: list[int]) -> bool:
+    """Whether `tokens` are the plan's template with its holes filled by allowed tokens (end padding aside)."""
+    head = plan.template[: len(tokens)]
+    pinned = all(t == p for t, p in zip(tokens, head, strict=True) if p is not None)
+    allowed = all(bool(plan.allowed[k][t]) for k, t in enumerate(tokens) if head[k] is None)
+    return len(head) == len(tokens) and pinned and allowed and all(p is not None for p in plan.template[len(tokens) :])
+
+
+def test_a_draft_sizes_the_template_as_the_tokenizer_splits_the_answer():
+    from dgemma.structured import schema_plan
+    from dgemma.tasks import extract
+
+    if not (extract.MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("the extraction model is not shipped")
+    model, tok = dgemma.load(extract.MODEL_DIR, dtype="fp32"), dgemma.Tokenizer.from_dir(extract.MODEL_DIR)
+    base = schema_plan(model, tok, extract.SCHEMA)
+    for seed in range(20):
+        answer = extract.answer(extract.example(seed)[1])
+        plan = base.resize(f"some text {answer} and more")  # the draft's first object sizes the holes
+        tokens = tok.encode(answer, add_special_tokens=False)
+        assert _aligned(plan, tokens), answer  # "," closing a string and opening a key is one pinned token
+        assert plan.read(model, [], tokens + plan.template[len(tokens) :]) == (json.loads(answer), None)
+        assert not _aligned(base, tokens)  # the schema's budgets alone do not split the answer so
+
+
+def test_draft_values_of_the_wrong_type_or_out_of_bounds_keep_the_schema_layout(code):
+    model, tok = code
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1000, "maximum": 9999},
+            "name": {"type": "string", "maxLength": 8},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        },
+    }
+    plan = compile_schema(schema, tok, model.text_config.vocab_size, model.config.canvas_length, 1)
+    sized = compile_schema(
+        schema, tok, model.text_config.vocab_size, model.config.canvas_length, 1,
+        draft={"id": 99999, "name": 7, "tags": ["a", "b", "c", "d", "e"]},
+    )  # fmt: skip
+    ids, names, tags = (n for _, n in sized.root.properties)
+    assert ids.shape is None and names.length is None  # an id of 5 digits, a name that is no string
+    assert len(tags.items) == 3 and all(t.length == 1 for t in tags.items)  # the count capped at maxItems
+    assert [h[0] for h in sized.holes[:2]] == [h[0] for h in plan.holes[:2]]  # the same holes
+
+
+def test_a_broken_draft_still_sizes_the_values_it_holds(code):
+    from dgemma.structured import schema_plan
+
+    model, tok = code
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    plan = schema_plan(model, tok, schema).resize('{"a":"xyz", "b": 42 oops')  # not an object: read key by key
+    a, b = (n for _, n in plan.root.properties)
+    assert a.length == len(tok.encode("xyz", add_special_tokens=False)) and b.shape is not None
+    with pytest.raises(ValueError, match="size"):
+        generate_json(model, "x = ", schema, tokenizer=tok, size="guess")
+    out = generate_json(model, "x = ", schema, tokenizer=tok, seed=0, size="schema", **KW)
+    jsonschema.validate(out.value, schema)

@@ -179,6 +179,27 @@ def test_the_shipped_models_carry_the_template():
 # -- a live server ---------------------------------------------------------------------------------------
 
 
+def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
+    from dgemma.structured import tool_call_plan
+    from dgemma.testing import load_quiet
+    from dgemma.tokenizer import Tokenizer
+
+    model, tok = load_quiet(model_dir), Tokenizer.from_dir(model_dir)
+    plan = tool_call_plan(model, tok, "get_weather", WEATHER["function"]["parameters"])
+    arguments = {"city": "Oslo", "days": 3, "unit": "f"}
+    drafted = plan.resize("Let me look. " + call_text("get_weather", arguments))
+    city, unit, days = (node for _, node in drafted.root.properties)
+    assert city.length == len(tok.encode("Oslo", add_special_tokens=False)) and unit.drafted == ["f"]
+    assert days.drafted == [3]  # 0 to 7: a choice
+    text = call_text("get_weather", arguments)
+    tokens = tok.encode(text, add_special_tokens=False)
+    head = drafted.template[: len(tokens)]
+    assert all(t == p for t, p in zip(tokens, head, strict=True) if p is not None)  # the call's own split
+    assert drafted.read(model, [], tokens + drafted.template[len(tokens) :]) == (arguments, None)
+    other = plan.resize(call_text("get_time", {}))  # no call of this function: the schema's budgets
+    assert other.root.properties[0][1].length is None
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

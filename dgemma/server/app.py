@@ -46,7 +46,7 @@ from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .output import extract_tool_calls, new_id
 from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .structured import call_plan, chosen_answers, given_answers, json_finish, json_plan
+from .structured import call_plan, chosen_answers, given_answers, json_finish, json_plan, sized_plans
 
 STATIC = Path(__file__).parent / "static"
 TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)
@@ -372,13 +372,15 @@ class _JsonRequest:
     """What a JSON response_format adds to a request: the template's pins, its allowed tokens, the
     settings (the template's length; no stop tokens, no early commit) and the finish that reads it."""
 
-    pins: object  # torch.Tensor [1, length]
-    allowed: object  # constraints.Allowed
+    pins: object  # per prompt: torch.Tensor [1, length]
+    allowed: object  # per prompt: constraints.Allowed (or None)
     params: SamplingParams
     finish: object
 
 
-async def _json_request(served: _Served, body, prompts: list[list[int]], requested, param: str, prompt_param: str):
+async def _json_request(
+    served: _Served, body, prompts: list[list[int]], requested, param: str, prompt_param: str, pixels=None
+):
     """The JSON plan of a request with a json_object / json_schema response_format, or None."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
@@ -394,21 +396,30 @@ async def _json_request(served: _Served, body, prompts: list[list[int]], request
         return _budget(served, requested, longest, param, prompt_param)
 
     plan = await _tokenize(served, json_plan, fmt, served.tokenizer, served.model, length, param="response_format")
-    return _shaped(served, body, plan, prompts, (requested, param, prompt_param))
+    return await _shaped(served, body, plan, prompts, (requested, param, prompt_param), pixels=pixels)
 
 
-def _shaped(served: _Served, body, plan, prompts: list[list[int]], asked: tuple, write=json_text) -> _JsonRequest:
-    """A plan's request: its template within the length asked for and the context (`asked`: the tokens
-    requested, their field, the prompt's field), no stop tokens, no early commit, and the finish that
-    reads each answer back and writes it (JSON text, or a tool call)."""
+async def _shaped(
+    served: _Served, body, plan, prompts: list[list[int]], asked: tuple, write=json_text, pixels=None
+) -> _JsonRequest:
+    """A plan's request: each prompt's template (sized by a free draft, server/structured.py) within the
+    length asked for and the context (`asked`: the tokens requested, their field, the prompt's field), no
+    stop tokens, no early commit, and the finish that reads each answer back and writes it (JSON text,
+    or a tool call)."""
     requested, param, prompt_param = asked
+    longest = max(len(p) for p in prompts)
     n = len(plan.template)
     if requested is not None and requested < n:
         raise ApiError(400, f"{param} is {requested}, but the answer's template takes {n} tokens", param)
-    _budget(served, n, max(len(p) for p in prompts), param, prompt_param)
+    _budget(served, n, longest, param, prompt_param)
+    draft = _resolve(served, body.sampling(n))
+    given = dict(pixels=pixels, timeout=served.request_timeout)
+    plans = await sized_plans(served.engine, plan, prompts, draft, served.tokenizer, **given)
+    n = max(len(p.template) for p in plans)
+    _budget(served, n, longest, param, prompt_param)
     params = replace(body.sampling(n), stop_token_ids=[], early_commit=False)
-    finish = json_finish(served.engine, plan, prompts, body.n, served.tokenizer, write)
-    return _JsonRequest(plan.pins(), plan.constraints(), params, finish)
+    finish = json_finish(served.engine, plans, prompts, body.n, served.tokenizer, write)
+    return _JsonRequest([p.pins(n) for p in plans], [p.constraints(n) for p in plans], params, finish)
 
 
 async def _chat_run(
@@ -418,7 +429,7 @@ async def _chat_run(
     request; otherwise the response_format's, if any)."""
     requested, param = body.requested_tokens
     if shaped is None:
-        shaped = await _json_request(served, body, [prompt], requested, param, "messages")
+        shaped = await _json_request(served, body, [prompt], requested, param, "messages", pixels)
     if shaped is None:
         params = _resolve(served, body.sampling(_budget(served, requested, len(prompt), param, "messages")))
     else:
@@ -457,7 +468,7 @@ async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request,
         return given_answers(served.tokenizer, [call_text(name, {})] * body.n)
     requested, param = body.requested_tokens
     write = functools.partial(call_text, name)
-    shaped = _shaped(served, body, plan, [prompt], (requested, param, "messages"), write)
+    shaped = await _shaped(served, body, plan, [prompt], (requested, param, "messages"), write, pixels)
     return await _chat_run(served, body, http, prompt, pixels, shaped)
 
 

@@ -88,14 +88,15 @@ def submit(
     *,
     stops: list[str] | None,
     reasoning: bool,
-    pins: torch.Tensor | None = None,
+    pins: torch.Tensor | list[torch.Tensor] | None = None,
     allowed=None,
     logprobs: int | None = None,
     pixels=None,
     want_drafts: bool = False,
     timeout: float | None = None,
 ) -> list[Choice]:
-    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i)."""
+    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i);
+    `pins` and `allowed` are the same for every prompt, or lists of one per prompt."""
     if len(prompts) * n > engine.capacity:
         raise ApiError(
             400, f"{len(prompts) * n} choices exceed what this server holds at once ({engine.capacity})", "n"
@@ -105,7 +106,9 @@ def submit(
     for j, prompt in enumerate(prompts):
         for i in range(n):
             seed = None if params.seed is None else (params.seed + i) % 2**63
-            given = dict(pins=pins, allowed=allowed, logprobs=logprobs, pixels=pixels, want_drafts=want_drafts)
+            shape = dict(pins=pins[j] if isinstance(pins, list) else pins)
+            shape["allowed"] = allowed[j] if isinstance(allowed, list) else allowed
+            given = dict(**shape, logprobs=logprobs, pixels=pixels, want_drafts=want_drafts)
             req = EngineRequest(prompt, replace(params, seed=seed), **given, timeout=timeout)
             try:
                 _submit(engine, req, loop)
@@ -136,17 +139,22 @@ async def rerun(engine: Engine, request: EngineRequest, seed: int | None) -> Gen
         timeout = max(request.timeout - (time.monotonic() - request.submitted), 1e-3)
     params = replace(request.params, seed=seed)
     given = dict(pins=request.pins, allowed=request.allowed, logprobs=request.logprobs, pixels=request.pixels)
-    again = EngineRequest(request.prompt, params, **given, timeout=timeout)
-    _submit(engine, again, asyncio.get_running_loop())
+    return await run_to_end(engine, EngineRequest(request.prompt, params, **given, timeout=timeout))
+
+
+async def run_to_end(engine: Engine, request: EngineRequest) -> GenerationResult:
+    """Queue `request` and wait for its result (a retry, or a free draft that sizes a JSON answer); the
+    engine's error if it fails, cancelled if this is."""
+    _submit(engine, request, asyncio.get_running_loop())
     try:
         while True:
-            event = await again.events.queue.get()
+            event = await request.events.queue.get()
             if isinstance(event, Exception):
                 raise event
             if isinstance(event, DoneEvent):
                 return event.result
     finally:
-        again.cancel()
+        request.cancel()
 
 
 def _tokens_covering(tokens: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:

@@ -2,7 +2,8 @@
 and the finish that reads each choice's answer back, validates it, and draws it again when it fails)
 and `choices` (the answer is the option the model scores best).
 
-A JSON answer is whole: its text is written from the values read back, so it is sent when the choice
+A schema's answer is sized by a free draft first (`sized_plans`), as dgemma.generate_json does. A JSON
+answer is whole: its text is written from the values read back, so it is sent when the choice
 ends (one content piece when streaming), never token by token; `stop` does not apply (the request model
 refuses it). An answer that fails after `DEFAULT_RETRIES` more draws is a 422 naming response_format.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
+from dataclasses import replace
 
-from ..engine import Engine
+from ..engine import Engine, EngineRequest
 from ..generate import GenerationResult
+from ..settings import SamplingParams
 from ..structured import DEFAULT_RETRIES, JsonPlan, json_text, object_plan, schema_plan, unsatisfied
-from .choices import Choice, Finish, Piece, rerun
+from .choices import Choice, Finish, Piece, rerun, run_to_end
 from .output import StreamText
 from .protocol import ApiError, ResponseFormat
 
@@ -36,15 +39,28 @@ def json_plan(fmt: ResponseFormat | None, tokenizer, model, length: Callable[[],
         raise ApiError(400, str(e), "response_format.json_schema.schema") from e
 
 
+async def sized_plans(
+    engine: Engine, plan: JsonPlan, prompts: list[list[int]], params: SamplingParams, tokenizer, **given
+) -> list[JsonPlan]:
+    """Each prompt's plan sized by a free draft (dgemma.structured.draft_plan): the answer generated with
+    `params` and no constraint, as requests of their own on the engine (`given`: pixels, timeout), read
+    for its values. A plan that cannot be sized (any JSON object) serves every prompt as it is."""
+    if plan.resize is None:
+        return [plan] * len(prompts)
+    params = replace(params, max_new_tokens=len(plan.template), early_commit=False)
+    drafts = [run_to_end(engine, EngineRequest(p, params, **given)) for p in prompts]
+    return [plan.resize(tokenizer.decode(r.tokens[0])) for r in await asyncio.gather(*drafts)]
+
+
 def json_finish(
-    engine: Engine, plan: JsonPlan, prompts: list[list[int]], n: int, tokenizer, write: Callable = json_text
+    engine: Engine, plans: list[JsonPlan], prompts: list[list[int]], n: int, tokenizer, write: Callable = json_text
 ) -> Finish:
-    """A choice's finish (server/choices.py): its answer read back and validated on the engine thread
-    (scoring a choice takes model passes), and written by `write` (JSON text, or a tool call); one that
-    fails is drawn again with the next seeds."""
+    """A choice's finish (server/choices.py): its answer read back by its prompt's plan and validated on
+    the engine thread (scoring a choice takes model passes), and written by `write` (JSON text, or a tool
+    call); one that fails is drawn again with the next seeds."""
 
     async def finish(choice: Choice, result: GenerationResult) -> tuple[list[int], int]:
-        prompt = prompts[choice.index // n]
+        prompt, plan = prompts[choice.index // n], plans[choice.index // n]
         seed = choice.request.params.seed
         errors = []
         for attempt in range(DEFAULT_RETRIES + 1):
