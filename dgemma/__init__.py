@@ -19,6 +19,7 @@ from .model import DiffusionGemma, EncodeOutput, build
 from .runner import Runner, accelerate
 from .structured import choose, generate_json
 from .tokenizer import Tokenizer
+from .tracing import Trace, trace
 from .weights import load, save
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "Session",
     "TextConfig",
     "Tokenizer",
+    "Trace",
     "__version__",
     "accelerate",
     "build",
@@ -52,4 +54,5 @@ __all__ = [
     "save",
     "stream",
     "stream_ar",
+    "trace",
 ]

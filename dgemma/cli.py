@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import cli_bench, cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
+    from . import cli_analyze, cli_bench, cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
 
     cli_generate.register(sub)
     cli_serve.register(sub)
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_demo.register(sub)
     cli_quant.register(sub)
     cli_bench.register(sub)
+    cli_analyze.register(sub)
     return parser
 
 

@@ -58,6 +58,10 @@ class DraftEvent:
     step: int  # 1 for the first step of a canvas
     drafts: torch.Tensor  # [B, C]
     accepted: torch.Tensor  # [B, C] bool: positions accepted (or pinned) this step
+    # with step_stats: of the distribution the sampler read (after temperature and constraints); a row
+    # that has stopped keeps its last values
+    entropy: torch.Tensor | None = None  # [B, C] fp32
+    confidence: torch.Tensor | None = None  # [B, C] fp32, the argmax's probability
 
 
 @dataclass
@@ -188,6 +192,8 @@ class _Canvas:
     logprob: torch.Tensor | None = None  # [B, C] with logprobs: the draft's log-probability at the latest step
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, C, k] its k likeliest (log-probabilities, ids)
     frontier: list[int] = field(default_factory=list)  # per row: leading positions already emitted
+    entropy: torch.Tensor | None = None  # [B, C] with step_stats: the latest step's entropy
+    confidence: torch.Tensor | None = None  # [B, C] with step_stats: the latest step's argmax probability
 
 
 def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, device) -> torch.Tensor:
@@ -261,8 +267,10 @@ class _Loop:
         t0: float,
         allowed: Allowed | None = None,
         logprobs: int | None = None,
+        step_stats: bool = False,
     ):
         model = runner.model
+        self.step_stats = step_stats
         self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
         self.b = cache.batch_size
         self.c = model.config.canvas_length
@@ -338,6 +346,8 @@ class _Loop:
             processed = torch.where(st.done[:, None, None], st.sc, processed)
             entropy = entropy_reference(processed)
         st.done |= stopper(argmax, entropy)
+        if self.step_stats:
+            st.entropy, st.confidence = entropy.float(), torch.softmax(processed.float(), -1).amax(-1)
         st.sc = processed.to(self.model.dtype)
         st.tokens, st.argmax = tokens, argmax
         return t.accepted
@@ -383,6 +393,8 @@ class _Loop:
         if self.p.early_commit:
             settled = (t.argmax == st.argmax[rows]) & (t.entropy < self.p.early_commit_entropy)
             st.stable_steps[rows] = torch.where(settled, st.stable_steps[rows] + 1, 0)
+        if self.step_stats:
+            self._keep_stats(st, rows, everyone, t)
         if everyone:
             st.tokens, st.argmax, st.sc = t.tokens, t.argmax, t.soft_embeds
             st.done = st.done | finished
@@ -395,6 +407,15 @@ class _Loop:
         accepted = torch.zeros(self.b, self.c, dtype=torch.bool, device=self.device)
         accepted[rows] = t.accepted
         return accepted
+
+    def _keep_stats(self, st: _Canvas, rows, everyone: bool, t) -> None:
+        """The step's entropy and confidence of the rows that ran it (stopped rows keep theirs)."""
+        if everyone:
+            st.entropy, st.confidence = t.entropy.float(), t.confidence.float()
+            return
+        st.entropy = torch.full((self.b, self.c), float("nan"), device=self.device) if st.entropy is None else st.entropy.clone()
+        st.confidence = torch.full_like(st.entropy, float("nan")) if st.confidence is None else st.confidence.clone()
+        st.entropy[rows], st.confidence[rows] = t.entropy.float(), t.confidence.float()
 
     def _keep_logprobs(self, st: _Canvas, rows, logprob: torch.Tensor, top: list[torch.Tensor]) -> None:
         """The latest step's log-probabilities of the rows that ran it (stopped rows keep theirs)."""
@@ -447,7 +468,7 @@ class _Loop:
                     accepted = yield from self._exact_step(st, step, stopper, finished_rows)
                 else:
                     accepted = yield from self._fast_step(st, step, stopper)
-                yield DraftEvent(k, n, st.argmax, accepted)
+                yield DraftEvent(k, n, st.argmax, accepted, st.entropy, st.confidence)
                 if p.early_commit:
                     yield from self._early_commit(st, k)
                 if bool(st.done.all()):
@@ -511,11 +532,13 @@ def prepare(
     pixels=None,
     images=None,
     max_soft_tokens: int = DEFAULT_BUDGET,
+    step_stats: bool = False,
     **overrides,
 ) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
     """Validate the request, encode the prompt and return the canvas loop, a generator of events and
     DenoiseCalls (see `drive`). `stream` is this plus a driver; a server drives many at once. `model` is a
-    DiffusionGemma or a Runner (dgemma/runner.py: which modules run the passes)."""
+    DiffusionGemma or a Runner (dgemma/runner.py: which modules run the passes). `step_stats` puts each
+    step's entropy and confidence in its DraftEvent (dgemma.tracing); nothing else changes."""
     t0 = time.perf_counter()
     runner = as_runner(model)
     model = runner.model
@@ -555,7 +578,7 @@ def prepare(
         runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact", pixels=pixels)
     pins = None if pins is None else pins.to(model.device)
     allowed = None if allowed is None else allowed.to(model.device)
-    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs)
+    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats)
     return loop.run()
 
 

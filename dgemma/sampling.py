@@ -309,6 +309,7 @@ class Transition:
     accepted: torch.Tensor  # [B, C] bool
     entropy: torch.Tensor  # [B, C]
     soft_embeds: torch.Tensor | None = None  # [B, C, M] (fast transition)
+    confidence: torch.Tensor | None = None  # [B, C] the argmax's probability (fast transition)
 
 
 def reference_transition(logits: torch.Tensor, canvas: torch.Tensor, bound: float) -> Transition:
@@ -343,4 +344,4 @@ def fast_transition(
     noise = random_tokens(drawn.shape, logits.shape[-1], logits.device, generator)
     tokens = torch.where(pinned, pin_values, torch.where(accept, drawn, noise))
     argmax = torch.where(pinned, pin_values, stats.argmax)
-    return Transition(tokens, argmax, accept | pinned, stats.entropy, stats.soft_embeds)
+    return Transition(tokens, argmax, accept | pinned, stats.entropy, stats.soft_embeds, stats.confidence)
