@@ -10,8 +10,8 @@ confidence at commit says which tokens are right.
 - `late_burst`: the share of positions finalised in the last k steps a canvas ran (before the stop
   rule ended it), and how far inside the step budget that stop came.
 - `tokens_per_forward`: content tokens per denoising step.
-- `calibration`: given the right token at each position, accuracy by bin of confidence at commit, the
-  expected calibration error, and AUROC of confidence as a predictor of being right.
+- `calibration`: given the right token at each position (where known), accuracy by bin of confidence at
+  commit, the expected calibration error, and AUROC of confidence as a predictor of being right.
 
 Spearman's rho and AUROC are written here (average ranks, the Mann-Whitney statistic: a few lines each)
 rather than taken from scipy or scikit-learn, which dgemma does not depend on; tests check them
@@ -125,7 +125,7 @@ class LateBurst:
     steps_used: float  # mean steps a canvas ran, as a share of the budget
 
 
-def late_burst(traces: Sequence[Trace], k: int = 4) -> LateBurst:
+def late_burst(traces: Sequence[Trace], k: int = 2) -> LateBurst:
     late = total = 0
     used = []
     for t in traces:
@@ -152,14 +152,18 @@ class Calibration:
     count: int
 
 
-def calibration(traces: Sequence[Trace], right: Callable[[Trace, CanvasTrace], np.ndarray], n_bins: int = 10) -> Calibration:
-    """Confidence at commit against correctness; `right(trace, canvas)` gives a [C] bool of the positions
-    holding the right token (only content positions are read)."""
+def calibration(
+    traces: Sequence[Trace], right: Callable[[Trace, CanvasTrace], np.ndarray], n_bins: int = 10
+) -> Calibration:
+    """Confidence at commit against correctness; `right(trace, canvas)` gives [C] per position 1 (the
+    right token), 0 (a wrong one) or -1 (not known: left out); only content positions are read."""
     conf, ok = [], []
     for t in traces:
         for c in t.canvases:
-            conf.append(c.commit_confidence[c.content])
-            ok.append(np.asarray(right(t, c), dtype=bool)[c.content])
+            verdict = np.asarray(right(t, c)).astype(np.int8)
+            known = c.content & (verdict >= 0)
+            conf.append(c.commit_confidence[known])
+            ok.append(verdict[known] == 1)
     conf, ok = np.concatenate(conf) if conf else np.zeros(0), np.concatenate(ok) if ok else np.zeros(0, bool)
     edges = np.linspace(0, 1, n_bins + 1)
     which = np.clip(np.digitize(conf, edges[1:-1]), 0, n_bins - 1)
@@ -167,13 +171,17 @@ def calibration(traces: Sequence[Trace], right: Callable[[Trace, CanvasTrace], n
     for i in range(n_bins):
         m = which == i
         if m.any():
-            bins.append((float(edges[i]), float(edges[i + 1]), int(m.sum()), float(conf[m].mean()), float(ok[m].mean())))
+            bins.append(
+                (float(edges[i]), float(edges[i + 1]), int(m.sum()), float(conf[m].mean()), float(ok[m].mean()))
+            )
             ece += m.sum() * abs(ok[m].mean() - conf[m].mean())
     n = len(conf)
-    return Calibration(bins, ece / n if n else float("nan"), auroc(conf, ok), float(ok.mean()) if n else float("nan"), n)
+    return Calibration(
+        bins, ece / n if n else float("nan"), auroc(conf, ok), float(ok.mean()) if n else float("nan"), n
+    )
 
 
-def summary(traces: Sequence[Trace], texts=None, k: int = 4, window: int = 16) -> dict:
+def summary(traces: Sequence[Trace], texts=None, k: int = 2, window: int = 16) -> dict:
     """The statistics of `traces` as one JSON-ready dict (calibration is added by the caller that knows
     the right answers)."""
     sizes, burst = commit_sizes(traces), late_burst(traces, k)

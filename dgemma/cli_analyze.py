@@ -7,8 +7,8 @@ answer, per line), or a task with known answers on its shipped model (`--task`):
 - `sudoku`: fresh puzzles on the Sudoku model, clues pinned; the reference is the solution. Adds how a
   blank cell's finalisation step goes with its constraint count (the distinct digits among its peers'
   clues).
-- `code`: continuations of held-out standard-library files on the code model; the reference is the
-  file's next tokens.
+- `code`: one-canvas continuations of held-out standard-library files on the code model (no reference:
+  a continuation has many right answers).
 - `infill`: the same files with a few lines cut out, filled between prefix and suffix at the true
   length; the reference is the cut.
 - `extract`: held-out orders into JSON on the extraction model; the reference is the answer.
@@ -43,14 +43,18 @@ class Case:
     pins: list[int | None] | None = None  # a template to fill (None: a free generation)
     reference: list[int] | None = None  # the right token of each generated position, from the first
     meta: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)  # SamplingParams fields of its own (a length)
 
 
 def _default_model(task: str | None) -> Path | None:
     from .tasks import code, extract, sudoku
 
-    return {"sudoku": sudoku.MODEL_DIR, "code": code.MODEL_DIR, "infill": code.MODEL_DIR, "extract": extract.MODEL_DIR}.get(
-        task
-    )
+    return {
+        "sudoku": sudoku.MODEL_DIR,
+        "code": code.MODEL_DIR,
+        "infill": code.MODEL_DIR,
+        "extract": extract.MODEL_DIR,
+    }.get(task)
 
 
 def sudoku_cases(tok, n: int, seed: int) -> list[Case]:
@@ -87,9 +91,8 @@ def code_cases(model, tok, n: int, seed: int, infill: bool) -> list[Case]:
         k = rng.randrange(10, len(starts) - 12)
         a = starts[k]
         prefix = tok.encode(text[:a], add_special_tokens=False)[-192:]
-        if not infill:
-            ref = tok.encode(text[a:], add_special_tokens=False)[:canvas]
-            cases.append(Case(prefix, None, ref, {"task": "code", "at": a}))
+        if not infill:  # one canvas; no reference: a continuation has many right answers
+            cases.append(Case(prefix, None, None, {"task": "code"}, {"max_new_tokens": canvas}))
             continue
         b = starts[k + rng.randint(2, 6)]
         middle = tok.encode(text[a:b], add_special_tokens=False)
@@ -110,7 +113,9 @@ def extract_cases(tok, n: int, seed: int) -> list[Case]:
     for i in range(n):
         sentence, order = extract.example(first + i)
         prompt = tok.apply_chat_template(extract.messages(sentence), add_generation_prompt=True)
-        cases.append(Case(prompt, None, tok.encode(extract.answer(order), add_special_tokens=False), {"task": "extract"}))
+        cases.append(
+            Case(prompt, None, tok.encode(extract.answer(order), add_special_tokens=False), {"task": "extract"})
+        )
     return cases
 
 
@@ -160,7 +165,7 @@ def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
     with Progress(*columns, disable=not progress, transient=True) as bar:
         job = bar.add_task("tracing", total=len(cases))
         for i, case in enumerate(cases):
-            kw = dict(settings, seed=settings["seed"] + i)
+            kw = dict(settings, seed=settings["seed"] + i, **case.settings)
             if case.pins is not None:
                 pins = torch.tensor([[-1 if t is None else t for t in case.pins]], dtype=torch.long)
                 kw.update(pins=pins, max_new_tokens=pins.shape[1], stop_token_ids=[])
@@ -172,13 +177,13 @@ def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
 
 
 def right_tokens(trace, canvas) -> np.ndarray:
-    """[C] whether each position of a canvas holds its reference token (False past the reference)."""
+    """[C] per position of a canvas: 1 if it holds its reference token, 0 if not, -1 past the reference."""
     ref = trace.meta.get("reference") or []
     c = canvas.tokens.shape[0]
-    window = np.full(c, -1)
-    part = ref[canvas.index * c : (canvas.index + 1) * c]
-    window[: len(part)] = part
-    return canvas.tokens == window
+    part = np.asarray(ref[canvas.index * c : (canvas.index + 1) * c], dtype=np.int64)
+    out = np.full(c, -1, dtype=np.int8)
+    out[: len(part)] = canvas.tokens[: len(part)] == part
+    return out
 
 
 def sudoku_figures(traces) -> dict:
@@ -234,7 +239,7 @@ def draw_heatmap(traces, path: Path, title: str) -> None:
 
 
 def draw_commits(traces, path: Path, title: str) -> None:
-    """Mean positions finalised and first accepted per step, and the content's mean entropy."""
+    """Mean positions finalised and accepted per step, and the content's mean entropy."""
     plt = _pyplot()
     canvases = [c for t in traces for c in t.canvases if c.content.any()]
     longest = max(c.steps for c in canvases)
@@ -249,7 +254,7 @@ def draw_commits(traces, path: Path, title: str) -> None:
     steps = np.arange(1, longest + 1)
     fig, ax = plt.subplots(figsize=(8, 3.8))
     ax.bar(steps, mean_of(c.finalised_per_step for c in canvases), color="tab:blue", label="finalised")
-    ax.plot(steps, mean_of(c.accepted_per_step for c in canvases), color="tab:orange", marker=".", label="first accepted")
+    ax.plot(steps, mean_of(c.accepted_per_step for c in canvases), color="tab:orange", marker=".", label="accepted")
     ax.set_xlabel("denoising step")
     ax.set_ylabel("positions per canvas (mean)")
     twin = ax.twinx()
@@ -329,7 +334,9 @@ def stats_of(traces, tok, task: str | None) -> dict:
     if all(t.meta.get("reference") for t in traces):
         cal = analysis.calibration(traces, right_tokens)
         out["calibration"] = {"auroc": cal.auroc, "ece": cal.ece, "accuracy": cal.accuracy, "tokens": cal.count}
-        out["calibration"]["bins"] = [dict(zip(("low", "high", "count", "confidence", "accuracy"), b, strict=True)) for b in cal.bins]
+        out["calibration"]["bins"] = [
+            dict(zip(("low", "high", "count", "confidence", "accuracy"), b, strict=True)) for b in cal.bins
+        ]
     if task == "sudoku":
         out["sudoku"] = sudoku_figures(traces)
     return out
@@ -377,8 +384,10 @@ def _print_summary(stats: dict, out: Path, pictures: list[str]) -> None:
     print(f"{stats['generations']} generations, {stats['canvases']} canvases, {stats['content_tokens']} tokens")
     print("left-to-right rho: " + ", ".join(f"{k} {v:.3f}" for k, v in ltr.items()))
     sizes = stats["commit_sizes"]
-    print(f"largest commit: {sizes['largest_share']:.1%} of a canvas; steps that commit: {sizes['steps_with_commits']:.1f}")
-    print(f"late burst: {burst['share']:.1%} finalised in the last {burst['k']} steps; {burst['steps_used']:.0%} of the budget used")
+    largest, busy = sizes["largest_share"], sizes["steps_with_commits"]
+    print(f"largest commit: {largest:.1%} of a canvas; steps that commit: {busy:.1f}")
+    share, used = burst["share"], burst["steps_used"]
+    print(f"late burst: {share:.1%} finalised in the last {burst['k']} steps; {used:.0%} of the budget used")
     print(f"tokens per forward: {stats['tokens_per_forward']:.2f}")
     if "calibration" in stats:
         cal = stats["calibration"]

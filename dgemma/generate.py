@@ -413,7 +413,9 @@ class _Loop:
         if everyone:
             st.entropy, st.confidence = t.entropy.float(), t.confidence.float()
             return
-        st.entropy = torch.full((self.b, self.c), float("nan"), device=self.device) if st.entropy is None else st.entropy.clone()
+        st.entropy = (
+            torch.full((self.b, self.c), float("nan"), device=self.device) if st.entropy is None else st.entropy.clone()
+        )
         st.confidence = torch.full_like(st.entropy, float("nan")) if st.confidence is None else st.confidence.clone()
         st.entropy[rows], st.confidence[rows] = t.entropy.float(), t.confidence.float()
 

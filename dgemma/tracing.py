@@ -10,9 +10,9 @@ many times before the canvas is committed. A trace records, for every position o
 - `entropy` and `confidence` [steps, C]: the entropy of its distribution and its argmax's probability at
   each step, as the sampler read them (after temperature and constraints);
 
-and per step, how many content positions were accepted and their mean entropy. Content positions are
-the tokens the generation returned (not pinned, before the stop token and the length limit); the
-statistics (dgemma.analysis) use those. `trace(model, prompt)` runs a generation with
+and per step, how many content positions were accepted (and for the first time) and their mean
+entropy. Content positions are the tokens the generation returned (not pinned, before the stop token
+and the length limit); the statistics (dgemma.analysis) use those. `trace(model, prompt)` runs a generation with
 `step_stats=True`, which only adds the entropy and confidence the step computes anyway to its
 DraftEvents: the tokens are those of `generate` with the same settings (tested). `canvas_trace` builds
 one canvas's record from its step sequence, so the record is testable on constructed sequences.
@@ -46,6 +46,7 @@ class CanvasTrace:
     changes: np.ndarray  # [C] argmax changes between consecutive steps
     entropy: np.ndarray  # [steps, C]
     confidence: np.ndarray  # [steps, C]
+    accepted: np.ndarray  # [steps, C] bool: accepted (drawn, not renoised) at each step
 
     @property
     def steps(self) -> int:
@@ -54,7 +55,12 @@ class CanvasTrace:
 
     @property
     def accepted_per_step(self) -> np.ndarray:
-        """[steps] content positions first accepted at each step."""
+        """[steps] content positions accepted at each step."""
+        return self.accepted[:, self.content].sum(axis=1)
+
+    @property
+    def first_accepted_per_step(self) -> np.ndarray:
+        """[steps] content positions accepted for the first time at each step."""
         hits = self.first_accepted[self.content]
         return np.bincount(hits[hits > 0], minlength=self.steps + 1)[1:]
 
@@ -107,6 +113,7 @@ def canvas_trace(
         changes=(drafts[1:] != drafts[:-1]).sum(0).astype(np.int64),
         entropy=np.asarray(entropy, dtype=np.float32).reshape(steps, c),
         confidence=np.asarray(confidence, dtype=np.float32).reshape(steps, c),
+        accepted=accepted,
     )
 
 
@@ -133,7 +140,9 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
-        canvases = [CanvasTrace(**{k: v if k == "index" else np.asarray(v) for k, v in c.items()}) for c in d["canvases"]]
+        canvases = [
+            CanvasTrace(**{k: v if k == "index" else np.asarray(v) for k, v in c.items()}) for c in d["canvases"]
+        ]
         return cls(**{**d, "canvases": canvases})
 
     def save(self, path: str | Path) -> Path:
@@ -199,6 +208,8 @@ def trace(
         canvases.append(canvas_trace(k, drafts, accepted, entropy, confidence, pinned, content))
     m = runner.model
     settings = {k: v for k, v in kwargs.items() if k in {f.name for f in dataclasses.fields(SamplingParams)}}
-    p = dataclasses.replace(params or SamplingParams(), **settings).resolve(m.generation_config, m.text_config.eos_token_ids)
+    p = dataclasses.replace(params or SamplingParams(), **settings).resolve(
+        m.generation_config, m.text_config.eos_token_ids
+    )
     text = None if tokenizer is None else tokenizer.decode(tokens)
     return Trace(prompt_rows(prompt, tokenizer)[0], tokens, canvases, p.max_denoising_steps, text)

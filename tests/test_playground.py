@@ -72,6 +72,9 @@ def _live_run(browser, mode: str, prompt: str, suffix: str = "", max_tokens: str
     assert int(browser.find_element("id", "canvas").get_attribute("data-draws")) == steps  # one draw per draft
     assert len(browser.execute_script("return window.changes")) >= 2, mode  # drawn as they came, not once at the end
     assert browser.find_element("id", "canvas").text.strip(), mode
+    # each token coloured by the step it last changed: steps of this canvas, the last draft's tokens
+    marks = browser.execute_script("return [...document.querySelectorAll('#canvas span')].map((s) => +s.dataset.step)")
+    assert marks and all(1 <= m <= 4 for m in marks), (mode, marks)
     return steps, browser.find_element("id", "output").text
 
 

@@ -38,7 +38,8 @@ def test_a_canvas_record_from_its_steps():
     assert c.changes.tolist() == [0, 1, 3, 0]
     assert c.content.tolist() == [True, True, True, False]  # pinned positions are not content
     assert c.finalised_per_step.tolist() == [1, 1, 0, 1]
-    assert c.accepted_per_step.tolist() == [1, 1, 1, 0]
+    assert c.accepted_per_step.tolist() == [1, 1, 2, 2]  # content positions accepted at each step
+    assert c.first_accepted_per_step.tolist() == [1, 1, 1, 0]
     assert c.mean_entropy.tolist() == [4, 3, 2, 1]
     never = _canvas([[3, 4], [3, 4]])
     assert never.first_accepted.tolist() == [0, 0]  # never accepted
@@ -99,9 +100,11 @@ def test_commit_sizes_late_burst_and_tokens_per_forward():
 def test_calibration_and_auroc():
     conf = np.array([[0.95, 0.9, 0.15, 0.1]])
     c = _canvas([[1, 2, 3, 4]], conf=conf)
-    right = np.array([True, True, False, True])
+    right = np.array([1, 1, 0, 1])
     cal = analysis.calibration([_trace(c)], lambda t, canvas: right, n_bins=2)
     assert cal.count == 4 and cal.accuracy == 0.75
+    unknown = analysis.calibration([_trace(c)], lambda t, canvas: np.array([1, -1, 0, -1]), n_bins=2)
+    assert unknown.count == 2 and unknown.auroc == 1.0  # positions without a reference are left out
     assert [b[2] for b in cal.bins] == [2, 2] and [b[4] for b in cal.bins] == [0.5, 1.0]
     assert cal.ece == pytest.approx((2 * abs(0.5 - 0.125) + 2 * abs(1.0 - 0.925)) / 4)
     assert cal.auroc == pytest.approx(2 / 3)  # the right 0.1 is below the wrong 0.15
@@ -138,7 +141,10 @@ def test_a_traced_generation_returns_the_untraced_tokens_and_saves_both_ways(tmp
         assert all(np.array_equal(a.final_step, b.final_step) and np.allclose(a.entropy, b.entropy)
                    for a, b in zip(back.canvases, t.canvases, strict=True))  # fmt: skip
     exact = dict(kw, mode="exact")
-    assert trace(model, "hello", tokenizer=tok, **exact).tokens == dgemma.generate(model, "hello", tokenizer=tok, **exact).tokens[0]
+    assert (
+        trace(model, "hello", tokenizer=tok, **exact).tokens
+        == dgemma.generate(model, "hello", tokenizer=tok, **exact).tokens[0]
+    )
     pins = torch_pins(model, 40)
     pinned = trace(model, "hello there", tokenizer=tok, pins=pins, **kw)
     assert pinned.canvases[0].pinned[:2].all() and not pinned.canvases[0].content[:2].any()

@@ -188,8 +188,14 @@ def _on_event(choice: Choice, event, decode) -> list[Piece]:
         choice.ended = True
         return [Piece(choice.index, "end", error=as_api_error(event))]
     if isinstance(event, DraftEvent):
-        text = decode(event.drafts[0].tolist())
-        return [Piece(choice.index, "draft", draft={"canvas": event.canvas_index, "step": event.step, "text": text})]
+        ids = event.drafts[0].tolist()
+        draft = {
+            "canvas": event.canvas_index,
+            "step": event.step,
+            "text": decode(ids),
+            "tokens": [decode([t]) for t in ids],
+        }
+        return [Piece(choice.index, "draft", draft=draft)]
     if not isinstance(event, TokensEvent | DoneEvent):
         return []
     done = isinstance(event, DoneEvent)
