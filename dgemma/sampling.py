@@ -5,9 +5,10 @@ Two families:
 
 - `*_reference` functions reproduce transformers' arithmetic operation for operation (full-vocabulary
   fp32 temporaries included), so that the exact mode returns the same token ids under the same seed.
-- `canvas_stats` and `draw` do the same mathematics in row chunks: only the logits buffer is
-  full-size; entropy, argmax, confidence and the self-conditioning soft embedding come out of one pass
-  over [chunk, V] slices, and samples are drawn only where the sampler accepts.
+- `canvas_stats` and `draw` do the same mathematics in chunks: only the logits buffer is full-size;
+  entropy, argmax, confidence and the self-conditioning soft embedding come out of one pass over
+  vocabulary chunks (the embedding read once per canvas), and samples are drawn only where the sampler
+  accepts, in row chunks.
 
 Acceptance rules ("samplers") share one small protocol: given per-position statistics, return the
 positions to accept this step. Non-accepted positions are renoised with uniform random tokens.
@@ -64,6 +65,13 @@ def _chunk_rows(vocab: int, device: torch.device) -> int:
     return max(1, min(64, 2**18 // vocab))
 
 
+def _chunk_columns(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary entries per chunk of a [rows, chunk] fp32 temporary: about 4 MB on a CPU, the whole
+    vocabulary (up to 256 MB) on a GPU, where each chunk costs kernel launches."""
+    budget = 2**28 if device.type == "cuda" else 2**22
+    return max(1, min(vocab, budget // (4 * rows)))
+
+
 @torch.no_grad()
 def canvas_stats(
     logits: torch.Tensor,
@@ -71,31 +79,37 @@ def canvas_stats(
     embed_scale: torch.Tensor | None = None,
     chunk: int | None = None,
 ) -> CanvasStats:
-    """Entropy, argmax, confidence and (optionally) the soft embedding, in one pass over row chunks.
+    """Entropy, argmax, confidence and (optionally) the soft embedding softmax(logits) @ embedding * scale.
 
-    Only [chunk, V] temporaries are allocated besides the logits themselves.
+    The maximum m comes from whole rows; then one pass over vocabulary chunks of `chunk` entries
+    accumulates, with e = exp(l - m) (at most 1), the sums Z = sum e, D = sum e l and S = e @ embedding,
+    [rows, chunk] x [chunk, M] at a time: the embedding is read once for the whole canvas and every
+    product is large enough to run near the matmul rate. Then logsumexp = m + log Z, the entropy
+    H = logsumexp - D / Z, the confidence 1 / Z and the soft embedding S / Z * scale. Only [rows, chunk]
+    temporaries are allocated besides the logits themselves; the sums accumulate in fp32.
     """
     b, c, v = logits.shape
-    chunk = chunk or _chunk_rows(v, logits.device)
     flat = logits.view(b * c, v)
     n = flat.shape[0]
-    entropy = flat.new_empty(n)
-    confidence = flat.new_empty(n)
-    argmax = torch.empty(n, dtype=torch.long, device=flat.device)
-    soft = None
-    if embedding is not None:
-        soft = torch.empty(n, embedding.shape[1], dtype=embedding.dtype, device=flat.device)
-    for a in range(0, n, chunk):
-        rows = flat[a : a + chunk]
-        top, idx = rows.max(dim=-1)
-        lse = rows.logsumexp(dim=-1)
-        probs = torch.softmax(rows, dim=-1)
-        # H = logsumexp(l) - sum_i p_i l_i; the dot product avoids a second [chunk, V] temporary.
-        entropy[a : a + chunk] = lse - torch.linalg.vecdot(probs, rows)
-        confidence[a : a + chunk] = torch.exp(top - lse)
-        argmax[a : a + chunk] = idx
-        if soft is not None:
-            soft[a : a + chunk] = (probs.to(embedding.dtype) @ embedding) * embed_scale
+    chunk = chunk or _chunk_columns(n, v, logits.device)
+    top, argmax = flat.max(dim=-1)
+    total, dot = flat.new_zeros(n), flat.new_zeros(n)
+    soft = None if embedding is None else torch.zeros(n, embedding.shape[1], device=flat.device)
+    for a in range(0, v, chunk):
+        part = flat[:, a : a + chunk]
+        e = (part - top[:, None]).exp_()
+        total += e.sum(-1)
+        dot += torch.linalg.vecdot(e, part)
+        if soft is None:
+            continue
+        if embedding.dtype == torch.float32:
+            soft.addmm_(e, embedding[a : a + chunk])
+        else:
+            soft += e.to(embedding.dtype) @ embedding[a : a + chunk]
+    entropy = top + total.log() - dot / total
+    confidence = total.reciprocal()
+    if soft is not None:
+        soft = (soft * (embed_scale / total[:, None])).to(embedding.dtype)
     entropy.clamp_(min=0.0)  # rounding can make a near-certain position's entropy slightly negative
     return CanvasStats(
         entropy.view(b, c),
