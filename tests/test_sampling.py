@@ -42,6 +42,12 @@ def test_canvas_stats_match_reference_quantities():
     torch.testing.assert_close(stats.confidence, torch.softmax(logits, -1).amax(-1))
     torch.testing.assert_close(stats.soft_embeds, (torch.softmax(logits, -1) @ emb) * 4.0, rtol=1e-5, atol=1e-5)
     assert (canvas_stats(torch.full((1, 2, 5), 1e4)).entropy >= 0).all()
+    # a bf16 embedding: chunk products in bf16, summed in fp32; bf16 rounds to 2^-8 relative, so the result
+    # is within a few bf16 ulps of the fp32 product of the same rounded inputs
+    half = canvas_stats(logits, emb.bfloat16(), torch.tensor(4.0, dtype=torch.bfloat16), chunk=7).soft_embeds
+    want = (torch.softmax(logits, -1) @ emb.bfloat16().float()) * 4.0
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want, rtol=2**-6, atol=2**-6)
 
 
 def test_entropy_bound_accepts_what_the_reference_accepts():
