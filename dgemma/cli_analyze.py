@@ -222,6 +222,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, title: str, path: Path, size: int = 10) -> None:
+    ax.set_title(title, fontsize=size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw_heatmap(traces, path: Path, title: str) -> None:
     """Finalisation step by position: a row per canvas, positions that are not content left blank."""
     plt = _pyplot()
@@ -232,10 +239,7 @@ def draw_heatmap(traces, path: Path, title: str) -> None:
     fig.colorbar(im, ax=ax, label="step finalised")
     ax.set_xlabel("position in the canvas")
     ax.set_ylabel("canvas")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, title, path)
 
 
 def draw_commits(traces, path: Path, title: str) -> None:
@@ -262,10 +266,7 @@ def draw_commits(traces, path: Path, title: str) -> None:
     twin.set_ylabel("mean entropy (nats)")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper center", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, title, path)
 
 
 def draw_calibration(cal, path: Path, title: str) -> None:
@@ -280,10 +281,7 @@ def draw_calibration(cal, path: Path, title: str) -> None:
     ax.set_ylim(0, 1)
     ax.set_xlabel("confidence at commit")
     ax.set_ylabel("share of right tokens")
-    ax.set_title(f"{title}\nAUROC {cal.auroc:.3f}, ECE {cal.ece:.3f}, {cal.count} tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, f"{title}\nAUROC {cal.auroc:.3f}, ECE {cal.ece:.3f}, {cal.count} tokens", path, 9)
 
 
 def draw_sudoku(traces, path: Path) -> None:
@@ -303,10 +301,7 @@ def draw_sudoku(traces, path: Path) -> None:
         ax.axvline(k, color="white", lw=2)
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_title(f"Sudoku: mean step each cell is finalised ({len(traces)} puzzles)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, f"Sudoku: mean step each cell is finalised ({len(traces)} puzzles)", path, 9)
 
 
 # ------------------------------------------------------------------------------------------------
