@@ -232,6 +232,13 @@ def test_a_timed_out_stream_counts_what_it_sent(app_factory):
                 pass
 
 
+def test_a_json_answer_whose_draft_times_out_is_a_504(app_factory):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with LiveServer(app_factory(request_timeout=1.5)) as live:  # the free draft that sizes it runs out of time
+        _error(_post(live.url, CHAT, {"messages": _user(), **SLOW, "response_format": fmt}), 504)
+
+
 # -- 9. parameters that cannot be honoured are refused by name ------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from ..engine import Engine, EngineRequest
 from ..generate import GenerationResult
 from ..settings import SamplingParams
 from ..structured import DEFAULT_RETRIES, JsonPlan, json_text, object_plan, schema_plan, unsatisfied
-from .choices import Choice, Finish, Piece, rerun, run_to_end
+from .choices import Choice, Finish, Piece, as_api_error, rerun, run_to_end
 from .output import StreamText
 from .protocol import ApiError, ResponseFormat
 
@@ -49,7 +49,13 @@ async def sized_plans(
         return [plan] * len(prompts)
     params = replace(params, max_new_tokens=len(plan.template), early_commit=False)
     drafts = [run_to_end(engine, EngineRequest(p, params, **given)) for p in prompts]
-    return [plan.resize(tokenizer.decode(r.tokens[0])) for r in await asyncio.gather(*drafts)]
+    try:
+        results = await asyncio.gather(*drafts)
+    except ApiError:  # a full queue (429) or a draining server (503)
+        raise
+    except Exception as e:  # what the engine reported for a draft: a timeout is a 504, as for any request
+        raise as_api_error(e) from e
+    return [plan.resize(tokenizer.decode(r.tokens[0])) for r in results]
 
 
 def json_finish(
