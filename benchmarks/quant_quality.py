@@ -4,7 +4,8 @@ Modes: dgemma's own int8, int4, fp8 and nvfp4 (quantized while loading); `ct-*`,
 compressed-tensors checkpoint (quantized, written with --format compressed-tensors, loaded back: what
 vLLM would serve; int4 there is W4A16, q * scale); `gguf-*`, a round trip through a GGUF file of that type
 (written from the fp32 model by gguf's quantizers, loaded back); `nvfp4-w4a4`, nvfp4 weights with the
-activations quantized to NVFP4 too, as the native FP4 kernel runs on Blackwell (emulated here).
+activations quantized to NVFP4 too, as the native FP4 kernel runs on Blackwell (emulated here); `bf16`,
+weights and compute in bf16 (not a quantization: what `--dtype bf16` runs).
 
 1. The `small` preset with random weights (73M parameters): per-position KL(full || quantized) of the
    denoising logits and argmax agreement, on random prompts and half-noised canvases.
@@ -72,7 +73,7 @@ CT = {
     "ct-int4": QuantSpec.of("int4", 32, "symmetric"),
     "ct-nvfp4": QuantSpec.of("nvfp4"),
 }
-MODES = ["int8", "int4", "fp8", "nvfp4", "nvfp4-w4a4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0"]
+MODES = ["int8", "int4", "fp8", "nvfp4", "nvfp4-w4a4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0", "bf16"]
 
 
 def load_mode(path: Path, mode: str):
@@ -88,6 +89,8 @@ def load_mode(path: Path, mode: str):
             return dgemma.load(write_gguf(dgemma.load(path), Path(tmp) / "m.gguf", mode.removeprefix("gguf-")))
     if mode == "nvfp4-w4a4":
         return use_kernels(dgemma.load(path, quant="nvfp4"), fp4=True)
+    if mode == "bf16":  # not a quantization: weights and compute in bf16 (the CPU's bf16 matmuls, where it has them)
+        return dgemma.load(path, dtype="bf16")
     return dgemma.load(path, quant=mode)
 
 
@@ -95,6 +98,8 @@ def quantize_random(config, mode: str):
     """The random `small` model in `mode` (file formats by a round trip through a checkpoint)."""
     if mode == "nvfp4-w4a4":
         return use_kernels(quantize_model(dgemma.build(config, seed=0), "nvfp4"), fp4=True)
+    if mode == "bf16":
+        return dgemma.build(config, seed=0).to(torch.bfloat16)
     if mode not in CT and not mode.startswith("gguf-"):
         return quantize_model(dgemma.build(config, seed=0), mode)
     with tempfile.TemporaryDirectory() as tmp:

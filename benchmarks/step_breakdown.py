@@ -5,7 +5,8 @@ and the rest, each with its FLOPs and its rate as a share of this machine's fp32
 A fast-mode step of the `small` (or `tiny`) preset, random weights, warm, after a prompt in the KV cache:
 the same calls the canvas loop makes (runner.denoise, then sampling.fast_transition), timed part by part
 with forward hooks (CPU ops are synchronous) and by running the sampler pass with and without the soft
-embedding. Prints a table and ends with one JSON line.
+embedding. The ceiling is the matmul rate in the weights' dtype (`--dtype bf16`: the CPU's bf16
+products, where it has them). Prints a table and ends with one JSON line.
 
     python benchmarks/step_breakdown.py [--size small] [--threads 2] [--repeats 5]
 """
@@ -147,8 +148,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the weights' dtype")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ceiling = matmul_gflops()
-    seconds, flops = measure(args.size, args.repeats, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    ceiling = matmul_gflops(dtype=dtype)  # of the weights' dtype: bf16 products where the CPU has them
+    seconds, flops = measure(args.size, args.repeats, dtype)
     step = seconds["step"]
     order = ["attention", "dense MLP", "experts", "self-cond MLP", "model, other", "LM head", "sampler pass"]
     order += ["soft embedding", "transition, other"]
@@ -166,7 +168,7 @@ def main() -> None:
     total = sum(flops.values())
     rate = total / step / 1e9
     print(f"{'step':20s} {1000 * step:8.2f} {1:7.1%} {total / 1e9:8.3f} {rate:8.1f} {rate / ceiling:9.0%}")
-    print(f"machine: fp32 matmul ceiling {ceiling:.0f} GFLOP/s on {args.threads} threads")
+    print(f"machine: {args.dtype} matmul ceiling {ceiling:.0f} GFLOP/s on {args.threads} threads (1024^3, best of 3)")
     summary = {"benchmark": "step_breakdown", "size": args.size, "dtype": args.dtype, "threads": args.threads}
     summary["ceiling_gflops"] = ceiling
     print(json.dumps({**summary, "step_ms": 1000 * step, "step_gflops": total / step / 1e9, "parts": out}))

@@ -94,6 +94,12 @@ def format_table(r, label: str) -> str:
         if pk.get("nominal_gbps"):
             limit += f"; nominal {pk['nominal_gbps']:.0f} GB/s, {pk['nominal_bf16_tflops']:.0f} TFLOP/s bf16"
         lines.append(limit)
+        if pk.get("cpu"):
+            cpu = pk["cpu"]
+            lines.append(
+                f"this CPU: {cpu['capability']}; bf16 products: {', '.join(cpu['bf16']) or 'none'}; "
+                f"int8 dot products: {', '.join(cpu['int8']) or 'none'}"
+            )
         bound = r.step_bytes["total"] / (1e9 * (pk.get("nominal_gbps") or pk["copy_gbps"]))
         lines.append(
             f"a step's weight-read bound: {1000 * bound:.2f} ms; measured {1000 * r.step_s:.2f} ms = "

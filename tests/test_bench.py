@@ -77,6 +77,14 @@ def test_step_bytes_count_routed_experts_and_embedding_uses():
     assert one == tensor_bytes - experts + experts * t.top_k_experts // t.num_experts
 
 
+def test_cpu_features_are_read_from_the_cpu_flags():
+    info = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni avx512_bf16 amx_int8\nbogomips\t: 1\n"
+    got = bench.cpu_features(info)
+    assert got["bf16"] == ["avx512_bf16"] and got["int8"] == ["avx512_vnni", "amx_int8"]
+    assert got["capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NO AVX")  # what torch dispatches to
+    assert bench.cpu_features("") == {"capability": got["capability"], "bf16": [], "int8": []}  # no flags known
+
+
 def test_random_model_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr(bench, "_free_memory", lambda device: 10 * 2**20)
     with pytest.raises(ValueError, match="GiB free"):
@@ -100,6 +108,7 @@ def test_bench_cli_on_a_preset(tmp_path, capsys):
     assert result["crossover_steps"] == pytest.approx(expected)
     assert result["step_bytes"]["weights"] > result["ar_token_bytes"]["weights"] > 0
     assert result["peaks"]["copy_gbps"] > 0 and result["peaks"]["matmul_tflops"] > 0
+    assert result["peaks"]["cpu"] == bench.cpu_features() and "this CPU: " in out
     assert "crossover" in out and "recommendation" in out and "diffusion, 4 steps/canvas" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # random weights: the steps are assumed (8-token canvas: the stop rule's 2), and said to be
