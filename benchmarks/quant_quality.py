@@ -5,7 +5,8 @@ compressed-tensors checkpoint (quantized, written with --format compressed-tenso
 vLLM would serve; int4 there is W4A16, q * scale); `gguf-*`, a round trip through a GGUF file of that type
 (written from the fp32 model by gguf's quantizers, loaded back); `nvfp4-w4a4`, nvfp4 weights with the
 activations quantized to NVFP4 too, as the native FP4 kernel runs on Blackwell (emulated here); `bf16`,
-weights and compute in bf16 (not a quantization: what `--dtype bf16` runs).
+weights and compute in bf16 (not a quantization: what `--dtype bf16` runs); `int8-w8a8`, int8 weights
+with the activations quantized per token, as the integer matmul (`torch._int_mm`) runs them.
 
 1. The `small` preset with random weights (73M parameters): per-position KL(full || quantized) of the
    denoising logits and argmax agreement, on random prompts and half-noised canvases.
@@ -73,7 +74,20 @@ CT = {
     "ct-int4": QuantSpec.of("int4", 32, "symmetric"),
     "ct-nvfp4": QuantSpec.of("nvfp4"),
 }
-MODES = ["int8", "int4", "fp8", "nvfp4", "nvfp4-w4a4", *CT, "gguf-bf16", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0", "bf16"]
+MODES = [
+    "int8",
+    "int4",
+    "fp8",
+    "nvfp4",
+    "nvfp4-w4a4",
+    *CT,
+    "gguf-bf16",
+    "gguf-q8_0",
+    "gguf-q5_0",
+    "gguf-q4_0",
+    "bf16",
+    "int8-w8a8",
+]
 
 
 def load_mode(path: Path, mode: str):
@@ -91,6 +105,8 @@ def load_mode(path: Path, mode: str):
         return use_kernels(dgemma.load(path, quant="nvfp4"), fp4=True)
     if mode == "bf16":  # not a quantization: weights and compute in bf16 (the CPU's bf16 matmuls, where it has them)
         return dgemma.load(path, dtype="bf16")
+    if mode == "int8-w8a8":  # int8 weights and per-token int8 activations: the integer matmul (torch._int_mm)
+        return use_kernels(dgemma.load(path, quant="int8"))
     return dgemma.load(path, quant=mode)
 
 
@@ -100,6 +116,8 @@ def quantize_random(config, mode: str):
         return use_kernels(quantize_model(dgemma.build(config, seed=0), "nvfp4"), fp4=True)
     if mode == "bf16":
         return dgemma.build(config, seed=0).to(torch.bfloat16)
+    if mode == "int8-w8a8":
+        return use_kernels(quantize_model(dgemma.build(config, seed=0), "int8"))
     if mode not in CT and not mode.startswith("gguf-"):
         return quantize_model(dgemma.build(config, seed=0), mode)
     with tempfile.TemporaryDirectory() as tmp:

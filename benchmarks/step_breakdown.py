@@ -25,6 +25,7 @@ from _measure import matmul_gflops
 import dgemma
 from dgemma.config import preset
 from dgemma.model import MLP, Attention, Experts, Router, SelfConditioning
+from dgemma.quant import QuantExperts
 from dgemma.sampling import SAMPLERS, canvas_stats, fast_transition
 
 SIZES = {"tiny": dict(canvas=32, prompt=32), "small": dict(canvas=256, prompt=64)}
@@ -33,6 +34,7 @@ PARTS = {
     MLP: "dense MLP",
     Router: "experts",
     Experts: "experts",
+    QuantExperts: "experts",
     SelfConditioning: "self-cond MLP",
 }
 
@@ -86,13 +88,21 @@ class Clock:
             h.remove()
 
 
-def measure(size: str, repeats: int, dtype: torch.dtype = torch.float32) -> dict:
+def measure(size: str, repeats: int, dtype: torch.dtype = torch.float32, quant: str | None = None) -> dict:
     spec = SIZES[size]
     config = preset(size)
     config.canvas_length = spec["canvas"]
     model = dgemma.build(config, dtype=dtype).eval()
+    if quant is not None:
+        from dgemma.quant import quantize_model
+
+        model = quantize_model(model, quant.removesuffix("-kernel"))
     runner = dgemma.accelerate(model)
     fast = runner.modules_for(False)
+    if quant is not None and quant.endswith("-kernel"):  # W8A8: the integer matmul, activations per token
+        from dgemma.quant import use_kernels
+
+        use_kernels(fast)
     c, v = spec["canvas"], model.text_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, v, (1, spec["prompt"]), generator=gen)
@@ -146,11 +156,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the weights' dtype")
+    ap.add_argument("--quant", choices=["int8", "int8-kernel", "fp8", "int4"], default=None, help="quantized weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     ceiling = matmul_gflops(dtype=dtype)  # of the weights' dtype: bf16 products where the CPU has them
-    seconds, flops = measure(args.size, args.repeats, dtype)
+    seconds, flops = measure(args.size, args.repeats, dtype, args.quant)
     step = seconds["step"]
     order = ["attention", "dense MLP", "experts", "self-cond MLP", "model, other", "LM head", "sampler pass"]
     order += ["soft embedding", "transition, other"]
@@ -169,7 +180,8 @@ def main() -> None:
     rate = total / step / 1e9
     print(f"{'step':20s} {1000 * step:8.2f} {1:7.1%} {total / 1e9:8.3f} {rate:8.1f} {rate / ceiling:9.0%}")
     print(f"machine: {args.dtype} matmul ceiling {ceiling:.0f} GFLOP/s on {args.threads} threads (1024^3, best of 3)")
-    summary = {"benchmark": "step_breakdown", "size": args.size, "dtype": args.dtype, "threads": args.threads}
+    summary = {"benchmark": "step_breakdown", "size": args.size, "dtype": args.dtype, "quant": args.quant}
+    summary["threads"] = args.threads
     summary["ceiling_gflops"] = ceiling
     print(json.dumps({**summary, "step_ms": 1000 * step, "step_gflops": total / step / 1e9, "parts": out}))
 
