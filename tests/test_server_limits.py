@@ -210,6 +210,12 @@ def test_n_beyond_what_the_server_holds_is_a_400(app_factory):
     with LiveServer(app_factory(max_batch=1, max_queue=1)) as live:
         _error(_post(live.url, CHAT, {"messages": _user(), "n": 3, "max_tokens": 2}), 400, "n")
         _error(_post(live.url, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 2}), 400, "n")
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"properties": {"a": {"type": "integer"}}}},
+        }
+        body = {"prompt": ["a", "b"], "n": 2, "response_format": fmt}  # refused before its drafts run
+        _error(_post(live.url, "/v1/completions", body), 400, "n")
 
 
 def test_a_timed_out_stream_counts_what_it_sent(app_factory):

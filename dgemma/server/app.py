@@ -412,6 +412,7 @@ async def _shaped(
     if requested is not None and requested < n:
         raise ApiError(400, f"{param} is {requested}, but the answer's template takes {n} tokens", param)
     _budget(served, n, longest, param, prompt_param)
+    runs.check_capacity(served.engine, len(prompts) * body.n)  # before any draft runs
     draft = _resolve(served, body.sampling(n))
     given = dict(pixels=pixels, timeout=served.request_timeout)
     plans = await sized_plans(served.engine, plan, prompts, draft, served.tokenizer, **given)

@@ -97,10 +97,7 @@ def submit(
 ) -> list[Choice]:
     """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i);
     `pins` and `allowed` are the same for every prompt, or lists of one per prompt."""
-    if len(prompts) * n > engine.capacity:
-        raise ApiError(
-            400, f"{len(prompts) * n} choices exceed what this server holds at once ({engine.capacity})", "n"
-        )
+    check_capacity(engine, len(prompts) * n)
     loop = asyncio.get_running_loop()
     choices: list[Choice] = []
     for j, prompt in enumerate(prompts):
@@ -118,6 +115,12 @@ def submit(
                 raise
             choices.append(Choice(j * n + i, req, StreamText(stops, reasoning)))
     return choices
+
+
+def check_capacity(engine: Engine, choices: int) -> None:
+    """A 400 naming `n` when a request's choices cannot all be held at once."""
+    if choices > engine.capacity:
+        raise ApiError(400, f"{choices} choices exceed what this server holds at once ({engine.capacity})", "n")
 
 
 def _submit(engine: Engine, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> None:

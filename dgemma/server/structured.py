@@ -48,13 +48,15 @@ async def sized_plans(
     if plan.resize is None:
         return [plan] * len(prompts)
     params = replace(params, max_new_tokens=len(plan.template), early_commit=False)
-    drafts = [run_to_end(engine, EngineRequest(p, params, **given)) for p in prompts]
+    drafts = [asyncio.ensure_future(run_to_end(engine, EngineRequest(p, params, **given))) for p in prompts]
     try:
         results = await asyncio.gather(*drafts)
-    except ApiError:  # a full queue (429) or a draining server (503)
-        raise
-    except Exception as e:  # what the engine reported for a draft: a timeout is a 504, as for any request
-        raise as_api_error(e) from e
+    except BaseException as e:
+        for d in drafts:  # the other drafts stop too (each cancels its engine request)
+            d.cancel()
+        if isinstance(e, ApiError) or not isinstance(e, Exception):  # a full queue (429), draining (503), a cancel
+            raise
+        raise as_api_error(e) from e  # what the engine reported for a draft: a timeout is a 504
     return [plan.resize(tokenizer.decode(r.tokens[0])) for r in results]
 
 
