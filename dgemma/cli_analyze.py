@@ -155,9 +155,9 @@ def read_prompts(path: Path) -> list[tuple[str, str | None]]:
 
 def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
     """A trace per case, with a progress bar."""
-    import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from .editing import template_pins
     from .tracing import trace
 
     traces = []
@@ -166,8 +166,8 @@ def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
         job = bar.add_task("tracing", total=len(cases))
         for i, case in enumerate(cases):
             kw = dict(settings, seed=settings["seed"] + i, **case.settings)
-            if case.pins is not None:
-                pins = torch.tensor([[-1 if t is None else t for t in case.pins]], dtype=torch.long)
+            if case.pins is not None:  # a template, filled to its full length as dgemma.fill fills one
+                pins = template_pins([case.pins])
                 kw.update(pins=pins, max_new_tokens=pins.shape[1], stop_token_ids=[])
             t = trace(runner, case.prompt, tokenizer=tok, **kw)
             t.meta = dict(case.meta, reference=case.reference)

@@ -51,7 +51,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,7 +286,8 @@ class _String:
         self.length: int | None = None  # sized: exactly this many tokens, the closing quote pinned
 
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
-        if isinstance(value, str) and self.min_length <= len(value) <= (self.max_length or len(value)):
+        fits = isinstance(value, str) and self.min_length <= len(value)
+        if fits and (self.max_length is None or len(value) <= self.max_length):
             ids = c.tokenizer.encode(value, add_special_tokens=False) if value else []
             body = c.string(syntax)[0]
             if len(ids) <= self.budget and all(t < c.vocab_size and bool(body[t]) for t in ids):
@@ -439,14 +440,18 @@ class _Choice:
             self._layout_sized(b)
             return
         self.written = [(o, c.tokenizer.encode(b.syntax.write(o), add_special_tokens=False)) for o in self.options]
-        n = max(len(ids) for _, ids in self.written)
+        self.span, self.end = b.hole(self._masks(c), c.after_value), c.after_value
+
+    def _masks(self, c: TokenClasses) -> list[torch.Tensor]:
+        """Per position of the longest written option: the options' tokens there, and the tokens that end
+        a value where an option is already over."""
         masks = []
-        for k in range(n):
+        for k in range(max(len(ids) for _, ids in self.written)):
             short = any(len(ids) <= k for _, ids in self.written)
             mask = c.after_value.clone() if short else torch.zeros_like(c.after_value)
             mask[[ids[k] for _, ids in self.written if len(ids) > k]] = True
             masks.append(mask)
-        self.span, self.end = b.hole(masks, c.after_value), c.after_value
+        return masks
 
     def _layout_sized(self, b: _Layout) -> None:
         c, quote = b.classes, b.syntax.string_open
@@ -460,11 +465,7 @@ class _Choice:
         same = [o for o in self.options if isinstance(o, str) == quoted]
         self.written = [(o, ids) for o in same if len(ids := body(o)) == n]
         b.text(quote if quoted else "")
-        masks = [torch.zeros(c.vocab_size, dtype=torch.bool) for _ in range(n)]
-        for _, ids in self.written:
-            for k, t in enumerate(ids):
-                masks[k][t] = True
-        self.span, self.end = b.hole(masks), None
+        self.span, self.end = b.hole(self._masks(c)), None  # all written in n tokens: none is ever over
         b.text(quote if quoted else "")
 
     def scan(self, text: str, i: int):
@@ -789,7 +790,13 @@ def compile_schema(
     """Check `schema` (jsonschema's own check first) and lay it out as a template (see the module
     docstring) in `syntax`, between the pinned texts `wrap`, padded with `end_id` to the end of its
     last canvas. `draft`, a value the model wrote freely, sizes each value it holds with the right type
-    (`sized_plan`); the others keep their schema budgets."""
+    (`draft_plan`); the others keep their schema budgets."""
+    validator = _checked(schema)
+    return _laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap, draft)
+
+
+def _checked(schema: dict):
+    """The validator class of a schema that jsonschema accepts and that expands to a bounded layout."""
     import jsonschema
 
     try:
@@ -799,6 +806,13 @@ def compile_schema(
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
     if _expanded(schema) > MAX_VALUES:
         raise StructuredOutputError(f"the schema expands to more than {MAX_VALUES} values (arrays: maxItems each)")
+    return validator
+
+
+def _laid_out(
+    schema: dict, validator, tokenizer, vocab_size: int, canvas_length: int, end_id: int, syntax, wrap, draft
+) -> JsonPlan:
+    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), sized and laid out."""
     root = _node(schema, "", 0)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     root.size(draft, b.classes, syntax)
@@ -813,16 +827,24 @@ def compile_schema(
     return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
 
 
-def schema_plan(model: Runner | Any, tokenizer, schema: dict, **layout) -> JsonPlan:
-    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token; the plan can be
-    sized by a draft (`JsonPlan.resize`)."""
+def schema_plan(
+    model: Runner | Any,
+    tokenizer,
+    schema: dict,
+    *,
+    syntax: Syntax = JSON,
+    wrap: tuple[str, str] = ("", ""),
+    read_draft: Callable[[str, dict], Any] | None = None,
+) -> JsonPlan:
+    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token. The plan can be
+    sized by a draft (`JsonPlan.resize`), whose value `read_draft(text, schema)` reads (default: the JSON
+    object the text holds); the schema is checked once, not again for each draft."""
     m = as_runner(model).model
-    end = end_of_text_ids(m)[0]
-    args = (schema, tokenizer, m.text_config.vocab_size, m.config.canvas_length, end)
-    wrap = layout.get("wrap", ("", ""))
-    read = _drafted_call(wrap[0][len(CALL_OPEN) + len("call:") :]) if wrap[0] else _drafted_json
-    plan = compile_schema(*args, **layout)
-    plan.resize = lambda text: compile_schema(*args, **layout, draft=read(text, schema))
+    args = (tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0], syntax, wrap)
+    validator = _checked(schema)
+    read = read_draft or _drafted_json
+    plan = _laid_out(schema, validator, *args, None)
+    plan.resize = lambda text: _laid_out(schema, validator, *args, read(text, schema))
     return plan
 
 
@@ -860,7 +882,7 @@ def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict |
     pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
     schema = parameters or {"type": "object", "properties": {}}
     wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
-    return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap)
+    return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap, read_draft=_drafted_call(name))
 
 
 def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
@@ -1029,7 +1051,7 @@ def decode_grammar(model: Runner | Any, plan: JsonPlan, prompt: list[int]) -> tu
 
     logits, out, text = feed(prompt), [], ""
     while len(out) < len(plan.template):
-        for t in torch.argsort(logits, descending=True).tolist():
+        for t in _likeliest_first(logits):
             if t in ends:
                 if grammar_state(plan.root, text)[1]:
                     return out, len(out) + 1, None
@@ -1041,6 +1063,16 @@ def decode_grammar(model: Runner | Any, plan: JsonPlan, prompt: list[int]) -> tu
         text += c.texts[t]
         logits = feed([t])
     return out, len(out) + 1, f"the answer is longer than {len(plan.template)} tokens"
+
+
+def _likeliest_first(logits: torch.Tensor, first: int = 64) -> Iterator[int]:
+    """Token ids in order of decreasing logit: the top `first` at once (almost always enough), the whole
+    vocabulary sorted only when none of them is taken."""
+    top = logits.topk(min(first, logits.numel())).indices.tolist()
+    yield from top
+    if len(top) < logits.numel():
+        seen = set(top)
+        yield from (t for t in torch.argsort(logits, descending=True).tolist() if t not in seen)
 
 
 def generate_json_ar(model: Runner | Any, prompt, schema: dict, *, tokenizer) -> JsonResult:

@@ -186,13 +186,14 @@ def trace(
     same arguments (`pins` for a template, `allowed`, SamplingParams fields, ...), and record how every
     canvas committed its tokens."""
     runner = as_runner(model)
+    rows = prompt_rows(prompt, tokenizer)
+    if len(rows) != 1:
+        raise ValueError("trace takes one prompt")
     c = runner.model.config.canvas_length
     steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
     result = None
     for event in stream(runner, prompt, params, tokenizer=tokenizer, pins=pins, step_stats=True, **kwargs):
         if isinstance(event, DraftEvent):
-            if event.drafts.shape[0] != 1:
-                raise ValueError("trace takes one prompt")
             row = (event.drafts[0], event.accepted[0], event.entropy[0], event.confidence[0])
             steps.setdefault(event.canvas_index, []).append(tuple(x.cpu().numpy() for x in row))
         elif isinstance(event, DoneEvent):
@@ -212,4 +213,4 @@ def trace(
         m.generation_config, m.text_config.eos_token_ids
     )
     text = None if tokenizer is None else tokenizer.decode(tokens)
-    return Trace(prompt_rows(prompt, tokenizer)[0], tokens, canvases, p.max_denoising_steps, text)
+    return Trace(rows[0], tokens, canvases, p.max_denoising_steps, text)

@@ -478,13 +478,14 @@ async def _chosen(served: _Served, body, prompts: list[list[int]], requested: in
     length asked for."""
     tok = served.tokenizer
     _check_chars(served, sum(len(o) for o in body.choices), "choices")
-    lengths = [len(ids) for ids in await _tokenize(served, _encode_all, tok, body.choices, param="choices")]
+    options = await _tokenize(served, _encode_all, tok, body.choices, param="choices")
+    lengths = [len(ids) for ids in options]
     if requested is not None and max(lengths) > requested:
         raise ApiError(400, f"{param} is {requested}, but an option has {max(lengths)} tokens", param)
     longest = max(len(p) for p in prompts)
     if longest + max(lengths) + 1 > served.context:
         raise ApiError(400, f"the prompt and the longest option exceed the context of {served.context}", "choices")
-    return await chosen_answers(served.engine, tok, prompts, body.choices)
+    return await chosen_answers(served.engine, tok, prompts, body.choices, options)
 
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -753,21 +754,21 @@ async def _completion_reply(served: _Served, body: CompletionRequest, choices, p
     return await _completion_answer(served, body, pieces, choices, echoes, prompts, plan)
 
 
-async def _completion_logprobs(served: _Served, body: CompletionRequest, choices, prompts) -> list:
-    """Each choice's legacy logprobs block (None without `logprobs`): the echoed prompt's, by the encoder,
-    then the completion's, by the denoiser."""
+async def _completion_logprobs(served: _Served, body: CompletionRequest, choices, echoes, prompts) -> list:
+    """Each choice's legacy logprobs block (None without `logprobs`): the echoed prompt's (`echoes`: its
+    text per choice), by the encoder, then the completion's, by the denoiser."""
     k = body.logprobs
     if k is None:
         return [None] * len(choices)
     tok = served.tokenizer
-    echoes = await logprob_blocks.echoed(served.engine, prompts, k) if body.echo else None
+    scored = await logprob_blocks.echoed(served.engine, prompts, k) if body.echo else None
     blocks = []
-    for c in choices:
+    for c, echo in zip(choices, echoes, strict=True):
         head = None
         prompt = prompts[c.index // body.n]
-        if echoes is not None:
-            head = logprob_blocks.legacy(tok, prompt, *echoes[c.index // body.n])
-        start = len(served.decode(prompt)) if body.echo else 0
+        if scored is not None:
+            head = logprob_blocks.legacy(tok, prompt, *scored[c.index // body.n])
+        start = len(echo)
         lps, tops = c.logprobs or ([], [])
         n = c.returned_tokens
         blocks.append(logprob_blocks.join(head, logprob_blocks.legacy(tok, c.tokens[:n], lps[:n], tops[:n], start)))
@@ -778,7 +779,7 @@ async def _completion_answer(served, body: CompletionRequest, pieces, choices, e
     texts, reasons = await _gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
-    blocks = await _completion_logprobs(served, body, choices, prompts)
+    blocks = await _completion_logprobs(served, body, choices, echoes, prompts)
     out = [
         {
             "index": c.index,

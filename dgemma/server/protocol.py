@@ -404,8 +404,7 @@ class ChatCompletionRequest(DiffusionSettings):
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatCompletionRequest:
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        if forced and not self.tools:
+        if self.forced_call and not self.tools:
             raise PydanticCustomError("tool_choice", "tool_choice: needs tools to call", {"name": "tool_choice"})
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [(t.get("function") or {}).get("name") for t in self.tools]

@@ -87,20 +87,23 @@ def json_finish(
     return finish
 
 
-async def chosen_answers(engine: Engine, tokenizer, prompts: list[list[int]], options: list[str]):
-    """`choices`: for each prompt, the option the model scores best (dgemma.choose, on the engine thread),
-    as the Choices and pieces the answer writers read; the scores go in each choice's `dgemma` details."""
+async def chosen_answers(
+    engine: Engine, tokenizer, prompts: list[list[int]], options: list[str], option_ids: list[list[int]]
+):
+    """`choices`: for each prompt, the option (`options`, tokenized as `option_ids`) the model scores best
+    (dgemma.choose, on the engine thread), as the Choices and pieces the answer writers read; the scores
+    go in each choice's `dgemma` details."""
     from ..structured import choose
 
     chosen = []
     for p in prompts:
-        future = engine.call(lambda runner, p=p: choose(runner, p, options, tokenizer=tokenizer))
+        future = engine.call(lambda runner, p=p: choose(runner, p, option_ids))
         try:
             chosen.append(await asyncio.wrap_future(future))
         except ValueError as e:
             raise ApiError(400, str(e), "choices") from e
     details = [{"choice_index": c.index, "choice_scores": [round(s, 4) for s in c.scores]} for c in chosen]
-    return given_answers(tokenizer, [c.option for c in chosen], details)
+    return given_answers(tokenizer, [options[c.index] for c in chosen], details)
 
 
 def given_answers(tokenizer, texts: list[str], details: list[dict] | None = None):
