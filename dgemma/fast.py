@@ -4,6 +4,8 @@
 which:
 
 - every RMSNorm is a `FastRMSNorm`: fewer ops (rsqrt, and no casts when the input is already fp32);
+- the LM head is a `FastLMHead`: the logits computed a vocabulary chunk at a time straight into their
+  buffer (the caller's, when it passes one), each chunk softcapped while it is still in cache;
 - every Experts is a `FastExperts`, computed by size: when the extra work is small (few tokens, few
   experts), every expert runs on every token as two batched matmuls and unselected experts get weight
   zero, which replaces a Python loop of small ops; otherwise tokens are sorted by expert once and each
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import DiffusionGemma, Experts, RMSNorm, gelu_tanh
+from .model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
 from .moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
 from .quant import QuantExperts, dequantize, use_kernels
 
@@ -54,6 +56,40 @@ class FastRMSNorm(RMSNorm):
         if self.weight is not None:
             h = h * (self.weight if self.weight.dtype == torch.float32 else self.weight.float())
         return h if h.dtype == x.dtype else h.to(x.dtype)
+
+
+class FastLMHead(LMHead):
+    """The LM head over vocabulary chunks: each chunk's product written straight into its columns of the
+    logits (fp32 products need no temporary at all), then softcapped in place while it is in cache.
+
+    On a CPU the chunks are [rows, ~4 MB] (cache-sized: the softcap's three passes then cost little), and
+    with the caller's `out` buffer no [B, T, V] tensor is allocated, whose fresh pages the kernel would
+    otherwise fault in on every step; on a GPU the whole vocabulary is one chunk. With gradients enabled
+    it is the reference computation."""
+
+    @classmethod
+    def like(cls, head: LMHead) -> FastLMHead:
+        """A FastLMHead reading `head`'s config (shared, not copied)."""
+        return cls(head.config)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return super().forward(hidden, weight, out)
+        v, m = weight.shape
+        if out is None:
+            out = torch.empty(*hidden.shape[:-1], v, dtype=torch.float32, device=hidden.device)
+        h, flat = hidden.reshape(-1, m), out.view(-1, v)
+        budget = 2**28 if hidden.device.type == "cuda" else 2**22
+        chunk = max(1, min(v, budget // (4 * max(1, h.shape[0]))))
+        for a in range(0, v, chunk):
+            part = flat[:, a : a + chunk]
+            if weight.dtype == torch.float32 and h.dtype == torch.float32:
+                torch.mm(h, weight[a : a + chunk].t(), out=part)
+            else:
+                part.copy_(h @ weight[a : a + chunk].t())
+            if self.softcap is not None:
+                part.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out
 
 
 class FastExperts(Experts):
@@ -154,6 +190,8 @@ def fast_twin(model: DiffusionGemma, *, grouped: bool | None = None) -> Diffusio
     for module in model.modules():
         if isinstance(module, RMSNorm):
             memo[id(module)] = FastRMSNorm.like(module)
+        elif isinstance(module, LMHead):
+            memo[id(module)] = FastLMHead.like(module)
         elif isinstance(module, Experts):
             memo[id(module)] = FastExperts(module, grouped)
         elif isinstance(module, QuantExperts) and grouped:
@@ -175,4 +213,4 @@ def capturable(model: DiffusionGemma) -> bool:
 
 def is_fast(model: nn.Module) -> bool:
     """Whether `model` holds fast modules (a twin made by fast_twin)."""
-    return any(isinstance(m, FastRMSNorm | FastExperts | GroupedQuantExperts) for m in model.modules())
+    return any(isinstance(m, FastRMSNorm | FastLMHead | FastExperts | GroupedQuantExperts) for m in model.modules())

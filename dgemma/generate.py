@@ -116,6 +116,7 @@ class DenoiseCall:
     cache: KVCache
     self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
     exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
+    out: torch.Tensor | None = None  # [b, C, V] fp32: the loop's logits buffer, reused from step to step
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
@@ -298,11 +299,21 @@ class _Loop:
         w = model.embed_tokens.weight
         self.embedding, self.embed_scale = w, model.embed_scale(w.dtype)
         self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
+        self._logits: torch.Tensor | None = None  # made at the first fast step
         self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
         self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
         self.converged_per_canvas: list[list[bool]] = [[] for _ in range(self.b)]
         total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
         self.num_canvases = math.ceil(total / self.c)
+
+    def _logits_buffer(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The fast steps' logits [b, C, V] fp32 for canvas `tokens` [b, C]: one buffer for the whole
+        generation (its first rows when some rows are done). Each step's logits are used up before the
+        next step asks for them, and on a CPU a fresh allocation of this size costs page faults every step."""
+        b, c = tokens.shape
+        if self._logits is None or self._logits.shape[1] != c or self._logits.shape[0] < b:
+            self._logits = torch.empty(max(b, self.b), c, self.v, dtype=torch.float32, device=self.device)
+        return self._logits[:b]
 
     # -- one canvas ----------------------------------------------------------------------------------
     def _new_canvas(self, k: int) -> _Canvas:
@@ -368,7 +379,7 @@ class _Loop:
             allowed = None if st.allowed is None else st.allowed[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
-        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
+        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc, out=self._logits_buffer(tokens))
         lse, top = None, None
         if self.logprobs is not None:  # of the model's distribution: before temperature and constraints
             lse, *top = top_logprobs(logits, self.logprobs)
@@ -643,7 +654,7 @@ def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iter
         if isinstance(item, DenoiseCall):
             if observe is not None:
                 observe(item)
-            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact)
+            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact, out=item.out)
         else:
             reply = None
             yield item

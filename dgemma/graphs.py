@@ -112,10 +112,17 @@ class GraphedDenoise:
             and canvas_ids.device == cache.device
         )
 
-    def __call__(self, canvas_ids: torch.Tensor, cache, self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        canvas_ids: torch.Tensor,
+        cache,
+        self_conditioning: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if not self._serves(cache, canvas_ids):
             self.fallbacks += 1
-            return self.model.denoise(canvas_ids, cache, self_conditioning)
+            return self.model.denoise(canvas_ids, cache, self_conditioning, out=out)
         soft = self_conditioning
         key = (id(cache), tuple(canvas_ids.shape), None if soft is None else (soft.dtype, tuple(soft.shape)))
         entry = self.entries.get(key)
@@ -129,8 +136,9 @@ class GraphedDenoise:
         if entry.graph is not None:
             entry.graph.replay()
             self.replays += 1
-            return entry.out.clone()
-        return self._run(entry, cache)
+            return entry.out.clone() if out is None else out.copy_(entry.out)
+        logits = self._run(entry, cache)
+        return logits if out is None else out.copy_(logits)
 
     def _run(self, entry: _Entry, cache: KVCache) -> torch.Tensor:
         view = StaticCacheView(cache, entry.length)

@@ -289,6 +289,34 @@ class SelfConditioning(nn.Module):
         return self.post_norm(embeds)
 
 
+class LMHead(nn.Module):
+    """The tied LM head: hidden states [..., M] times the token embedding [V, M] transposed, cast to fp32,
+    then the final softcap tanh(x / c) * c. It holds no weight (the embedding is passed in), so it adds
+    nothing to the state dict; the fast twin swaps in a chunked version (dgemma/fast.py). The cap c is
+    read from the config at each call (`final_logit_softcapping`; None: no cap)."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+
+    @property
+    def softcap(self) -> float | None:
+        return self.config.final_logit_softcapping
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [..., V] fp32; with `out` (fp32, that shape), written there and returned."""
+        logits = F.linear(hidden, weight).float()
+        cap = self.softcap
+        if cap is not None and torch.is_grad_enabled():
+            logits = torch.tanh(logits / cap) * cap
+        elif cap is not None:  # the same values in place: no extra [B, T, V] fp32 temporaries at inference
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits if out is None else out.copy_(logits)
+
+    def extra_repr(self) -> str:
+        return f"softcap={self.softcap}"
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -310,6 +338,7 @@ class DiffusionGemma(nn.Module):
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size, padding_idx=t.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.head = LMHead(t)  # no weight of its own: tied to embed_tokens
         self.self_conditioning = SelfConditioning(t)
         self.vision_tower = self.embed_vision = None  # a text-only checkpoint has neither
         if config.vision_config is not None:
@@ -339,16 +368,9 @@ class DiffusionGemma(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids) * self.embed_scale(self.dtype)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head; the logits are cast to fp32 before the final softcap tanh(x / c) * c."""
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
-        cap = self.text_config.final_logit_softcapping
-        if cap is None:
-            return logits
-        if torch.is_grad_enabled():
-            return torch.tanh(logits / cap) * cap
-        # Same values in place: no extra [B, T, V] fp32 temporaries at inference.
-        return logits.div_(cap).tanh_().mul_(cap)
+    def lm_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tied LM head: fp32 softcapped logits [B, T, V] (see LMHead), written into `out` if given."""
+        return self.head(hidden, self.embed_tokens.weight, out)
 
     def _run_layers(
         self,
@@ -436,14 +458,17 @@ class DiffusionGemma(nn.Module):
         canvas_ids: torch.Tensor,  # [B, T] canvas tokens
         cache: DenoiseCache,  # a KVCache, a view of one, or a StackedCache
         self_conditioning: torch.Tensor | None = None,  # [B, T, M] soft_embedding(previous processed logits)
+        *,
+        out: torch.Tensor | None = None,  # [B, T, V] fp32: write the logits here (a buffer reused by the caller)
     ) -> torch.Tensor:
         """Bidirectional pass of a canvas over [cached prefix ; canvas]; returns fp32 logits [B, T, V].
 
         The cache is read, never written. `self_conditioning` is the previous step's signal as its soft
         embedding (`soft_embedding(logits)`); None is the first step's, exactly zero (as is a row of zeros:
-        training zeroes the signal of some rows that way).
+        training zeroes the signal of some rows that way). A canvas loop passes `out`, its logits buffer
+        of the previous step: on a CPU a fresh [B, T, V] allocation costs page faults every step.
         """
-        return self.lm_head(self.denoise_hidden(canvas_ids, cache, self_conditioning))
+        return self.lm_head(self.denoise_hidden(canvas_ids, cache, self_conditioning), out)
 
     def denoise_hidden(
         self, canvas_ids: torch.Tensor, cache: DenoiseCache, self_conditioning: torch.Tensor | None = None

@@ -106,11 +106,13 @@ class Runner:
         self_conditioning: torch.Tensor | None = None,
         *,
         exact: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`DiffusionGemma.denoise`: the reference's for exact mode, else the twin's (compiled or graphed)."""
+        """`DiffusionGemma.denoise`: the reference's for exact mode, else the twin's (compiled or graphed);
+        the logits are written into `out` if given."""
         if exact or self._fast_denoise is None:
-            return self.model.denoise(canvas_ids, cache, self_conditioning)
-        return self._fast_denoise(canvas_ids, cache, self_conditioning)
+            return self.model.denoise(canvas_ids, cache, self_conditioning, out=out)
+        return self._fast_denoise(canvas_ids, cache, self_conditioning, out=out)
 
     def release(self) -> None:
         """Drop the captured CUDA graphs and their buffers (they are recorded again when needed)."""

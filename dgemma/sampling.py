@@ -72,6 +72,24 @@ def _chunk_columns(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(vocab, budget // (4 * rows)))
 
 
+def row_max(flat: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum and the index of its first occurrence (torch.max(flat, -1)) of a [N, V] tensor,
+    in one pass over it: the maxima of blocks of `block` entries, their maximum, the first block that
+    holds it, then the first maximum inside that block. On a CPU this is several times faster than
+    max(dim) or argmax over whole rows (their index-tracking reductions are slow); same values and
+    indices, ties included."""
+    n, v = flat.shape
+    main = v - v % block
+    maxima = flat[:, :main].unflatten(-1, (main // block, block)).amax(-1)  # [N, V // block]
+    if main < v:
+        maxima = torch.cat([maxima, flat[:, main:].amax(-1, keepdim=True)], dim=-1)
+    top = maxima.amax(-1)
+    start = (maxima == top[:, None]).to(torch.uint8).argmax(-1) * block  # the first block with the maximum
+    columns = (start[:, None] + torch.arange(block, device=flat.device)).clamp_(max=v - 1)
+    inside = flat.gather(1, columns) == top[:, None]  # a short last block repeats column V-1: harmless
+    return top, start + inside.to(torch.uint8).argmax(-1)
+
+
 @torch.no_grad()
 def canvas_stats(
     logits: torch.Tensor,
@@ -92,12 +110,13 @@ def canvas_stats(
     flat = logits.view(b * c, v)
     n = flat.shape[0]
     chunk = chunk or _chunk_columns(n, v, logits.device)
-    top, argmax = flat.max(dim=-1)
+    top, argmax = flat.max(dim=-1) if flat.device.type == "cuda" else row_max(flat)
     total, dot = flat.new_zeros(n), flat.new_zeros(n)
     soft = None if embedding is None else torch.zeros(n, embedding.shape[1], device=flat.device)
+    work = flat.new_empty(n, min(chunk, v))  # one temporary for every chunk: no allocation per chunk
     for a in range(0, v, chunk):
         part = flat[:, a : a + chunk]
-        e = (part - top[:, None]).exp_()
+        e = torch.sub(part, top[:, None], out=work[:, : part.shape[1]]).exp_()
         total += e.sum(-1)
         dot += torch.linalg.vecdot(e, part)
         if soft is None:

@@ -128,6 +128,56 @@ def test_generation_with_the_graphed_step_is_unchanged(model):
     assert "denoise" not in model.__dict__ and not fast.is_fast(model)
 
 
+@torch.no_grad()
+def test_fast_lm_head_writes_the_reference_logits_into_the_buffer(model, monkeypatch):
+    """The chunked head gives the reference head's logits (fp32: to rounding; the chunks' products are the
+    same dot products), softcapped or not, in bf16, and into the caller's buffer when given one."""
+    twin = fast.fast_twin(model)
+    assert isinstance(twin.head, fast.FastLMHead) and "softcap" in repr(twin.head)
+    w = model.embed_tokens.weight
+    hidden = torch.randn(2, 8, w.shape[1], generator=torch.Generator().manual_seed(0))
+    for cap in (model.text_config.final_logit_softcapping, None):
+        monkeypatch.setattr(model.text_config, "final_logit_softcapping", cap)  # read at each call, both heads
+        ref = model.head(hidden, w)
+        tol = fp32_tolerance(ref.abs().max().item(), w.shape[1], 1)
+        torch.testing.assert_close(twin.head(hidden, w), ref, rtol=0, atol=tol)
+        buffer = torch.full_like(ref, float("nan"))
+        assert twin.head(hidden, w, buffer) is buffer
+        torch.testing.assert_close(buffer, ref, rtol=0, atol=tol)
+        assert model.head(hidden, w, buffer.zero_()) is buffer and torch.equal(buffer, ref)
+    half = w.bfloat16()  # bf16 products, cast to fp32 as the reference casts them
+    torch.testing.assert_close(twin.head(hidden.bfloat16(), half), model.head(hidden.bfloat16(), half))
+
+
+def test_fast_lm_head_trains_as_the_reference(model):
+    w = model.embed_tokens.weight
+    hidden = torch.randn(1, 4, w.shape[1], requires_grad=True)
+    fast.FastLMHead.like(model.head)(hidden, w).square().sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_fast_steps_reuse_one_logits_buffer(model):
+    """A generation allocates its [b, C, V] logits once: every fast step is answered in the same buffer
+    (its first rows once some rows are done), and the tokens are those of a loop without the buffer."""
+    from dgemma.generate import DenoiseCall, drive, prepare
+
+    runner = fast_runner(model)
+    kw = dict(max_new_tokens=24, max_denoising_steps=6, seed=5, stop_token_ids=[])
+    calls: list[DenoiseCall] = []
+    done = list(drive(runner, prepare(runner, [[5, 6, 7], [8, 9]], **kw), observe=calls.append))[-1]
+    assert len(calls) > 6 and all(c.out is not None for c in calls)
+    assert len({c.out.data_ptr() for c in calls}) == 1
+    assert all(c.out.shape == (*c.tokens.shape, model.text_config.vocab_size) for c in calls)
+
+    class Fresh(Runner):  # answers with newly allocated logits, ignoring the buffer
+        def denoise(self, *args, out=None, **kwargs):
+            return super().denoise(*args, **kwargs)
+
+    fresh = Fresh(model, fast=True)
+    again = list(drive(fresh, prepare(fresh, [[5, 6, 7], [8, 9]], **kw)))[-1]
+    assert again.result.tokens == done.result.tokens
+
+
 def fast_runner(model):
     return Runner(model, fast=True)
 

@@ -17,6 +17,7 @@ from dgemma.sampling import (
     entropy_reference,
     fast_transition,
     reference_transition,
+    row_max,
     temperature,
 )
 
@@ -48,6 +49,22 @@ def test_canvas_stats_match_reference_quantities():
     want = (torch.softmax(logits, -1) @ emb.bfloat16().float()) * 4.0
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), want, rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("v", [50, 128, 300, 1000])  # fewer than a block, whole blocks, a short last block
+def test_row_max_is_torch_max_ties_included(v):
+    g = torch.Generator().manual_seed(v)
+    flat = torch.randn(40, v, generator=g)
+    flat[1] = 0.5  # every entry tied: the first one wins
+    flat[2, [3, v - 1]] = 9.0  # a tie between the first block and the last
+    flat[3, [v - 1, v - 2]] = 9.0  # a tie inside the last block
+    flat[4] = torch.finfo(torch.float32).min  # a row made of what `restrict` writes outside the allowed set
+    flat[4, v // 2] = -1.0
+    flat[5, : v // 2] = torch.finfo(torch.float32).min
+    top, index = row_max(flat)
+    want = flat.max(dim=-1)
+    assert torch.equal(top, want.values) and torch.equal(index, want.indices)
+    assert torch.equal(index, flat.argmax(-1))
 
 
 def test_entropy_bound_accepts_what_the_reference_accepts():
