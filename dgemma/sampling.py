@@ -78,7 +78,7 @@ def row_max(flat: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
     holds it, then the first maximum inside that block. On a CPU this is several times faster than
     max(dim) or argmax over whole rows (their index-tracking reductions are slow); same values and
     indices, ties included."""
-    n, v = flat.shape
+    v = flat.shape[1]
     main = v - v % block
     maxima = flat[:, :main].unflatten(-1, (main // block, block)).amax(-1)  # [N, V // block]
     if main < v:
