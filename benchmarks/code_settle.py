@@ -6,7 +6,10 @@ The code model's canvases never satisfy the checkpoint's stop rule (mean entropy
 stable argmax): they run to the 48-step cap. The settings tried cap the steps, or loosen the stop rule's
 entropy threshold so that a canvas stops once its draft is stable and its mean entropy low enough.
 
-    python benchmarks/code_settle.py [--spans 40] [--code-data recipes/data/code]
+    python benchmarks/code_settle.py [--spans 40] [--code-data recipes/data/code] [--after CHECKPOINT]
+        [--settings NAME ...]
+
+`--after` adds a checkpoint (a stage-2 run, recipes/code-stage2-settle.yaml) measured on the same spans.
 
 Needs the test files of recipes/code_data.py (or collects the test split from this Python's standard
 library). Prints a table and ends with one JSON line.
@@ -38,40 +41,49 @@ SETTINGS = {
 }
 
 
+def measure(model, tok, cases, settings: dict) -> dict:
+    """Exact match, parse rate, steps per canvas, tokens per forward and seconds of `model` on `cases`."""
+    exact = parses = steps = tokens = 0
+    t0 = time.perf_counter()
+    for _kind, text, a, b in cases:
+        left, middle, suffix = code_eval.infill_inputs(tok, text, a, b, 192)
+        r = dgemma.infill(model, left, suffix, middle_length=len(middle), tokenizer=tok, seed=0, **settings)
+        exact += r.middle_text.strip() == text[a:b].strip()
+        parses += code_eval.fill_parses(text, a, b, r.middle_text)
+        steps += sum(r.result.stats.steps_per_canvas[0])
+        tokens += len(middle)
+    return {
+        "exact": exact / len(cases),
+        "parses": parses / len(cases),
+        "steps_per_canvas": steps / len(cases),
+        "tokens_per_forward": tokens / steps,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spans", type=int, default=40, help="spans per kind (line, expression, body)")
     ap.add_argument("--code-data", type=Path, default=ROOT / "recipes" / "data" / "code")
+    ap.add_argument("--after", type=Path, action="append", default=[], help="another checkpoint to compare")
+    ap.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS), metavar="NAME")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    model = dgemma.accelerate(dgemma.load(code.MODEL_DIR))
     tok = dgemma.Tokenizer.from_dir(code.MODEL_DIR)
     files = code_eval.load_test_files(args.code_data / "test.jsonl")
     chosen = code_eval.held_out_cases(files, random.Random(0), tok, 24, args.spans)
     cases = [c for group in chosen.values() for c in group]
     rows = {}
-    for name, settings in SETTINGS.items():
-        exact = parses = steps = tokens = 0
-        t0 = time.perf_counter()
-        for _kind, text, a, b in cases:
-            left, middle, suffix = code_eval.infill_inputs(tok, text, a, b, 192)
-            r = dgemma.infill(model, left, suffix, middle_length=len(middle), tokenizer=tok, seed=0, **settings)
-            exact += r.middle_text.strip() == text[a:b].strip()
-            parses += code_eval.fill_parses(text, a, b, r.middle_text)
-            steps += sum(r.result.stats.steps_per_canvas[0])
-            tokens += len(middle)
-        rows[name] = {
-            "exact": exact / len(cases),
-            "parses": parses / len(cases),
-            "steps_per_canvas": steps / len(cases),
-            "tokens_per_forward": tokens / steps,
-            "seconds": time.perf_counter() - t0,
-        }
-        print(f"  {name}: {rows[name]}", flush=True)
-    print(f"\n{'settings':34s} {'exact':>7s} {'parses':>7s} {'steps':>6s} {'tok/fwd':>8s}")
+    for directory in [code.MODEL_DIR, *args.after]:
+        model = dgemma.accelerate(dgemma.load(directory))
+        label = "shipped" if directory == code.MODEL_DIR else str(directory)
+        for name in args.settings:
+            rows[f"{label}: {name}"] = measure(model, tok, cases, SETTINGS[name])
+            print(f"  {label}: {name}: {rows[f'{label}: {name}']}", flush=True)
+    print(f"\n{'model: settings':60s} {'exact':>7s} {'parses':>7s} {'steps':>6s} {'tok/fwd':>8s}")
     for name, r in rows.items():
         steps, tpf = r["steps_per_canvas"], r["tokens_per_forward"]
-        print(f"{name:34s} {r['exact']:7.1%} {r['parses']:7.1%} {steps:6.1f} {tpf:8.2f}")
+        print(f"{name:60s} {r['exact']:7.1%} {r['parses']:7.1%} {steps:6.1f} {tpf:8.2f}")
     print(json.dumps({"benchmark": "code_settle", "spans": len(cases), "rows": rows}))
 
 

@@ -35,6 +35,21 @@ def test_demo_plain_output(models, capsys):
     assert "-- canvas 1, step 1 --" in out  # snapshots of the denoising
     stats = out.split("== Statistics ==")[1]
     assert all(name in stats for name in ("generate", "infill", "edit", "sudoku"))
+    rows = {line.split()[0]: line.split() for line in stats.splitlines() if line.strip()}
+    assert rows["AR"][1] == rows["AR"][2] and float(rows["AR"][3]) == 1.0  # one forward per token
+    assert rows["generate"][-1].endswith("x") and not rows["sudoku"][-1].endswith("x")  # code parts vs AR
+
+
+def test_demo_json_compares_the_code_parts_with_ar(models, capsys):
+    import json
+
+    assert main(["demo", "--model", str(models / "code"), "--no-sudoku", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ar = report["ar"]
+    assert ar["name"] == "AR" and ar["tokens"] == ar["forwards"] > 0
+    part = next(p for p in report["parts"] if p["name"] == "generate")
+    want = (part["tokens"] / part["seconds"]) / (ar["tokens"] / ar["seconds"])
+    assert part["vs_ar"] == pytest.approx(want, rel=1e-2)
 
 
 def test_demo_without_a_code_model_says_what_to_do(tmp_path, capsys):

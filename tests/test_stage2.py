@@ -240,3 +240,27 @@ def test_a_step_with_nothing_to_learn_still_advances(records, tmp_path, monkeypa
     train_stage2(cfg, progress=False)
     step = next(r for r in log_records(tmp_path / "g") if r["step"] == 1 and "loss" in r)
     assert step["reward"] == 0.0 and step["grad_norm"] > 0 and step["distill_states"] >= 3 * 2
+
+
+def test_short_responses_are_filled_as_stage_1_fills_them(records, tmp_path):
+    """A record whose response is shorter than the canvas (a code file's last lines) is filled with
+    end-of-text tokens, as the stage-1 trainer fills it: the match reward and the `reference` distillation
+    then compare whole canvases (this used to stop training on a ragged tensor)."""
+    from dgemma.train.stage2 import canvas_reference
+
+    text = dgemma.load(sudoku.MODEL_DIR).text_config
+    eos = text.eos_token_ids[0]
+    assert canvas_reference([7, 8, 9], 5, text) == [7, 8, 9, eos, eos]
+    assert canvas_reference(list(range(8)), 5, text) == [0, 1, 2, 3, 4]  # a longer one: its first canvas
+    lines = (records / "train-records.jsonl").read_text().splitlines()[:3]
+    short = json.loads(lines[1])
+    short["completion_ids"] = short["completion_ids"][:30]
+    short.pop("pinned", None)
+    lines[1] = json.dumps(short)
+    data = tmp_path / "short-records.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = _config(records, tmp_path / "run", reward="match", distill_target="reference")
+    cfg.data.train = str(data)
+    train_stage2(cfg, progress=False)
+    steps = [r for r in log_records(tmp_path / "run") if r["step"] >= 1 and "reward" in r]
+    assert len(steps) == 2 and all(r["distill_states"] > 0 for r in steps)

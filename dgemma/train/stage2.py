@@ -91,7 +91,7 @@ def _step(s: _Stage2, step: int) -> StepResult:
     seed = _seed(s.cfg.train.seed, step)
     chosen = [s.examples[e] for _, e in batch_indices(step, s2.prompts_per_step, len(s.examples), s.cfg.train.seed)]
     prompts = [e.prompt for e in chosen]
-    references = [e.response[:c] for e in chosen]
+    references = [canvas_reference(e.response, c, s.model.text_config) for e in chosen]
     pins = pins_for([e.pinned for e in chosen], [e.response for e in chosen], c)
     g = s2.group_size
     s.model.eval()
@@ -121,6 +121,13 @@ def _step(s: _Stage2, step: int) -> StepResult:
     if loss.requires_grad:  # else no verified rollout and no advantage: nothing to learn, the schedule moves on
         loss.backward()
     return StepResult(float(loss.detach()), record)
+
+
+def canvas_reference(response: list[int], canvas: int, text) -> list[int]:
+    """The first canvas of a record's response, as stage 1 trains it: a response shorter than the canvas
+    (a file's last lines) is filled with end-of-text tokens, so every reference has the canvas's length."""
+    eos = text.eos_token_ids[0] if text.eos_token_ids else 1  # the stage-1 trainer's fill token
+    return response[:canvas] + [eos] * (canvas - len(response))
 
 
 def _distill_targets(s: _Stage2, prompts, pins, references, runs: list[Trajectory], rewards, seed, record) -> list:
