@@ -38,6 +38,13 @@ SETTINGS = {
     "stop at entropy < 0.1": {"confidence_threshold": 0.1},
     "stop at entropy < 0.3": {"confidence_threshold": 0.3},
     "cap 12, stop at entropy < 0.3": {"max_denoising_steps": 12, "confidence_threshold": 0.3},
+    "cap 12, cooler (t 0.4 -> 0.2)": {"max_denoising_steps": 12, "t_max": 0.4, "t_min": 0.2},
+    "cap 12, entropy bound 0.5": {"max_denoising_steps": 12, "entropy_bound": 0.5},
+    "cap 12, cooler, bound 0.5": {"max_denoising_steps": 12, "t_max": 0.4, "t_min": 0.2, "entropy_bound": 0.5},
+    "cap 12, warmer (t 1.0 -> 0.5)": {"max_denoising_steps": 12, "t_max": 1.0, "t_min": 0.5},
+    "cap 12, entropy bound 0.05": {"max_denoising_steps": 12, "entropy_bound": 0.05},
+    "cap 12, entropy bound 0.25": {"max_denoising_steps": 12, "entropy_bound": 0.25},
+    "cap 12, entropy bound 1.0": {"max_denoising_steps": 12, "entropy_bound": 1.0},
 }
 
 

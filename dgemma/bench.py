@@ -24,12 +24,12 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from .ar import generate_ar
 from .config import DiffusionGemmaConfig, count_parameters, preset
+from .cpu import cpu_features
 from .generate import generate
 from .model import DiffusionGemma
 from .runner import Runner, as_runner
@@ -198,27 +198,6 @@ def machine_peaks(device: torch.device, dtype: torch.dtype) -> dict:
     else:
         out["cpu"] = cpu_features()
     return out
-
-
-CPU_BF16 = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo flags of bf16 products
-CPU_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")  # and of int8 dot products
-
-
-def cpu_features(cpuinfo: str | None = None) -> dict:
-    """What this CPU multiplies in: the vector width torch dispatches to, and its bf16 and int8
-    instructions (read from `cpuinfo`, default /proc/cpuinfo; none where that is not readable)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
-    return {
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16": [f for f in CPU_BF16 if f in flags],
-        "int8": [f for f in CPU_INT8 if f in flags],
-    }
 
 
 def device_name(device: torch.device) -> str:

@@ -38,13 +38,14 @@ def load_for_bench(args: argparse.Namespace):
 
     from .bench import random_model
     from .cli_common import make_runner, resolve_device
+    from .cpu import preferred_dtype
     from .weights import resolve_dtype
 
     device = resolve_device(args.device)
     if args.preset:
         if not args.random_weights:
             raise ValueError("presets have no trained weights: add --random-weights (or give --model DIR)")
-        dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "fp32" if device == "cpu" else "bf16")
+        dtype = resolve_dtype(args.dtype) or preferred_dtype(device)  # auto: bf16 where it multiplies natively
         model = random_model(args.preset, device=device, dtype=dtype, quant=args.quant, group_size=args.group_size)
         tokenizer, label = None, f"preset {args.preset} (random weights)"
     else:

@@ -15,7 +15,8 @@ which:
 - with `grouped`, quantized experts (int8, int4, fp8, nvfp4) are a `GroupedQuantExperts`: each stack
   dequantized whole, then the same grouped matmuls (no loop over experts on the host);
 - on CUDA, int8 / fp8 quantized modules use tensor-core matmuls, and nvfp4 ones FP4 matmuls (W4A4) on GPUs
-  that have them (Blackwell; dgemma/quant/kernels.py).
+  that have them (Blackwell; dgemma/quant/kernels.py); on a CPU with int8 dot products (AMX-INT8,
+  AVX512-VNNI, AVX-VNNI: dgemma/cpu.py) int8 modules use integer matmuls (W8A8, torch._int_mm).
 
 `print(twin)` shows these modules. The twin is what a `dgemma.Runner` runs for fast-mode requests, compiled
 or replayed from CUDA graphs (dgemma/runner.py; `dgemma.accelerate(model)` makes that runner). The model itself
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu import int8_matmuls
 from .model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
 from .moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
 from .quant import QuantExperts, dequantize, use_kernels
@@ -199,6 +201,8 @@ def fast_twin(model: DiffusionGemma, *, grouped: bool | None = None) -> Diffusio
     twin = copy.deepcopy(model, memo)
     if on_cuda:
         use_kernels(twin)
+    elif model.device.type == "cpu" and int8_matmuls():
+        use_kernels(twin, modes=("int8",))  # W8A8 on the CPU's int8 dot products (BENCHMARKS.md: faster)
     return twin
 
 

@@ -85,6 +85,31 @@ def test_cpu_features_are_read_from_the_cpu_flags():
     assert bench.cpu_features("") == {"capability": got["capability"], "bf16": [], "int8": []}  # no flags known
 
 
+def test_compute_defaults_follow_the_cpu_flags():
+    from dgemma import cpu
+
+    amx = "flags\t: avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8\n"
+    zen4 = "flags\t: avx512f avx512_vnni avx512_bf16\n"
+    avx2 = "flags\t: avx2 fma\n"
+    assert cpu.native_bf16(amx) and cpu.native_bf16(zen4) and not cpu.native_bf16(avx2)
+    assert cpu.int8_matmuls(amx) and cpu.int8_matmuls(zen4) and not cpu.int8_matmuls(avx2)
+    assert cpu.preferred_dtype("cpu", zen4) == torch.bfloat16 and cpu.preferred_dtype("cpu", avx2) == torch.float32
+    assert cpu.preferred_dtype("cpu", "") == torch.float32  # nothing known: nothing assumed
+    assert cpu.preferred_dtype("cuda", avx2) == torch.bfloat16
+
+
+@pytest.mark.parametrize("has_int8", [True, False])
+def test_cpu_fast_twin_runs_int8_as_integer_matmuls_where_the_cpu_has_them(monkeypatch, has_int8):
+    import dgemma.fast
+    from dgemma.quant import quantize_model
+
+    monkeypatch.setattr(dgemma.fast, "int8_matmuls", lambda: has_int8)
+    model = quantize_model(dgemma.build(dgemma.preset("tiny"), seed=0), "int8")
+    twin = dgemma.fast.fast_twin(model)
+    assert (twin.layers[0].self_attn.q_proj.kernel == "int_mm") == has_int8
+    assert model.layers[0].self_attn.q_proj.kernel is None  # exact mode keeps the weight-only reference
+
+
 def test_random_model_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr(bench, "_free_memory", lambda device: 10 * 2**20)
     with pytest.raises(ValueError, match="GiB free"):

@@ -121,14 +121,16 @@ def reference_matmul(x: torch.Tensor, q: Quantized) -> torch.Tensor:
     return F.linear(xq.float() * xs, dequantize(q)).to(x.dtype).reshape(*lead, -1)
 
 
-def use_kernels(model: torch.nn.Module, enable: bool = True, fp4: bool | None = None) -> torch.nn.Module:
+def use_kernels(
+    model: torch.nn.Module, enable: bool = True, fp4: bool | None = None, modes: tuple[str, ...] | None = None
+) -> torch.nn.Module:
     """Switch the model's int8 / fp8 modules to the integer / fp8 matmuls (or back), and nvfp4 ones to
     W4A4 when `fp4` (default: where the model's device has native FP4 matmuls; True elsewhere runs the
-    emulation, to measure it); returns the model."""
+    emulation, to measure it); only the modules of `modes` when given; returns the model."""
     from .modules import QuantExperts, QuantLinear
 
     for module in model.modules():
-        if not isinstance(module, QuantLinear | QuantExperts):
+        if not isinstance(module, QuantLinear | QuantExperts) or (modes is not None and module.mode not in modes):
             continue
         if module.mode == "nvfp4":
             w4a4 = native_fp4(next(module.buffers()).device) if fp4 is None else fp4

@@ -1,0 +1,64 @@
+"""What this CPU multiplies in, and the compute a fast step uses on it by default.
+
+A CPU with native bf16 products (AMX-BF16, AVX512-BF16) multiplies bf16 at several times its fp32 rate,
+and one with int8 dot products (AMX-INT8, AVX512-VNNI, AVX-VNNI) int8 faster still; torch dispatches to
+them through oneDNN. The flags are read from /proc/cpuinfo (none where it is not readable: then nothing
+is assumed). `dgemma bench` reports them; `preferred_dtype` and `int8_matmuls` are the defaults that
+follow from them (measured side by side in BENCHMARKS.md, "bf16 and int8 compute on CPU").
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo flags of bf16 products
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # and of int8 dot products
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The feature flags of `cpuinfo` (default: /proc/cpuinfo, read once; empty where it is unreadable)."""
+    if cpuinfo is None:
+        return _proc_flags()
+    line = next((x for x in cpuinfo.splitlines() if x.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+@cache
+def _proc_flags() -> frozenset[str]:
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict:
+    """What this CPU multiplies in: the vector width torch dispatches to, and its bf16 and int8
+    instructions (read from `cpuinfo`, default /proc/cpuinfo; none where that is not readable)."""
+    flags = cpu_flags(cpuinfo)
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16": [f for f in BF16_FLAGS if f in flags],
+        "int8": [f for f in INT8_FLAGS if f in flags],
+    }
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 matmul instructions (AMX-BF16 or AVX512-BF16)."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags(cpuinfo))
+
+
+def int8_matmuls(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has int8 dot products (AMX-INT8, AVX512-VNNI or AVX-VNNI): where it does, the fast
+    twin runs int8-quantized linears as W8A8 integer matmuls (torch._int_mm) instead of dequantizing."""
+    return bool(set(INT8_FLAGS) & cpu_flags(cpuinfo))
+
+
+def preferred_dtype(device: torch.device | str, cpuinfo: str | None = None) -> torch.dtype:
+    """The compute dtype for weights made here at random (`dgemma bench --preset`): bf16 on a GPU and on a
+    CPU with bf16 matmuls, fp32 on other CPUs."""
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if native_bf16(cpuinfo) else torch.float32
