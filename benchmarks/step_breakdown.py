@@ -119,7 +119,7 @@ def measure(size: str, repeats: int, dtype: torch.dtype = torch.float32, quant: 
         for k in range(repeats + 1):
             clock = Clock(fast)
             t0 = time.perf_counter()
-            logits = runner.denoise(canvas, cache, sc, out=buffer)  # the canvas loop's reused buffer
+            logits = runner.denoise(canvas, cache, sc, out=buffer)  # as generate.drive reuses one
             t1 = time.perf_counter()
             hidden_t0 = time.perf_counter()
             fast.denoise_hidden(canvas, cache, sc)

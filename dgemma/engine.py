@@ -320,8 +320,7 @@ class Engine:
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
         signal = torch.cat(embeds) if embeds else None
         try:
-            out = calls[0].out if len(calls) == 1 else None  # a lone request's own buffer
-            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact, out=out)
+            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact)
         except Exception as e:
             for r in group:
                 r.events.put(e)

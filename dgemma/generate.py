@@ -116,7 +116,6 @@ class DenoiseCall:
     cache: KVCache
     self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
     exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
-    out: torch.Tensor | None = None  # [b, C, V] fp32: the loop's logits buffer, reused from step to step
 
 
 Event = DraftEvent | TokensEvent | DoneEvent
@@ -299,21 +298,11 @@ class _Loop:
         w = model.embed_tokens.weight
         self.embedding, self.embed_scale = w, model.embed_scale(w.dtype)
         self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
-        self._logits: torch.Tensor | None = None  # made at the first fast step
         self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
         self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
         self.converged_per_canvas: list[list[bool]] = [[] for _ in range(self.b)]
         total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
         self.num_canvases = math.ceil(total / self.c)
-
-    def _logits_buffer(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The fast steps' logits [b, C, V] fp32 for canvas `tokens` [b, C]: one buffer for the whole
-        generation (its first rows when some rows are done). Each step's logits are used up before the
-        next step asks for them, and on a CPU a fresh allocation of this size costs page faults every step."""
-        b, c = tokens.shape
-        if self._logits is None or self._logits.shape[1] != c or self._logits.shape[0] < b:
-            self._logits = torch.empty(max(b, self.b), c, self.v, dtype=torch.float32, device=self.device)
-        return self._logits[:b]
 
     # -- one canvas ----------------------------------------------------------------------------------
     def _new_canvas(self, k: int) -> _Canvas:
@@ -379,7 +368,7 @@ class _Loop:
             allowed = None if st.allowed is None else st.allowed[rows]
         self.passes[rows] += 1
         st.steps[rows] += 1
-        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc, out=self._logits_buffer(tokens))
+        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
         lse, top = None, None
         if self.logprobs is not None:  # of the model's distribution: before temperature and constraints
             lse, *top = top_logprobs(logits, self.logprobs)
@@ -641,11 +630,27 @@ def stream(
         yield event
 
 
+class _LogitsBuffer:
+    """One [b, C, V] fp32 logits buffer for a driven loop's fast steps (its first rows once some rows are
+    done): the loop uses each step's logits up before it asks for the next, and on a CPU a fresh
+    allocation of this size is faulted in page by page on every step (~8 ms for 32 MB)."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.tensor: torch.Tensor | None = None
+
+    def rows(self, shape: torch.Size) -> torch.Tensor:
+        b, c = shape
+        if self.tensor is None or self.tensor.shape[1] != c or self.tensor.shape[0] < b:
+            self.tensor = torch.empty(b, c, self.vocab, dtype=torch.float32, device=self.device)
+        return self.tensor[:b]
+
+
 def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iterator[Event]:
     """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through.
     `observe(call)`, if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
     runner = as_runner(model)
-    reply = None
+    reply, buffer = None, _LogitsBuffer(runner.text_config.vocab_size, runner.device)
     while True:
         try:
             item = loop.send(reply)
@@ -654,7 +659,8 @@ def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iter
         if isinstance(item, DenoiseCall):
             if observe is not None:
                 observe(item)
-            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact, out=item.out)
+            out = None if item.exact else buffer.rows(item.tokens.shape)
+            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact, out=out)
         else:
             reply = None
             yield item

@@ -137,12 +137,11 @@ class GraphedDenoise:
             entry.graph.replay()
             self.replays += 1
             return entry.out.clone() if out is None else out.copy_(entry.out)
-        logits = self._run(entry, cache)
-        return logits if out is None else out.copy_(logits)
+        return self._run(entry, cache, out)
 
-    def _run(self, entry: _Entry, cache: KVCache) -> torch.Tensor:
+    def _run(self, entry: _Entry, cache: KVCache, out: torch.Tensor | None = None) -> torch.Tensor:
         view = StaticCacheView(cache, entry.length)
-        return self.model.denoise(entry.ids, view, entry.soft)
+        return self.model.denoise(entry.ids, view, entry.soft, out=out)
 
     def _record(self, key: tuple, cache: KVCache, canvas_ids: torch.Tensor, soft: torch.Tensor | None) -> _Entry:
         while len(self.entries) >= self.max_graphs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dgemma
 import dgemma.fast as fast
 from dgemma import Runner, build, preset
 from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, load_quiet
@@ -157,25 +158,28 @@ def test_fast_lm_head_trains_as_the_reference(model):
 
 
 def test_fast_steps_reuse_one_logits_buffer(model):
-    """A generation allocates its [b, C, V] logits once: every fast step is answered in the same buffer
-    (its first rows once some rows are done), and the tokens are those of a loop without the buffer."""
-    from dgemma.generate import DenoiseCall, drive, prepare
+    """A driven generation allocates its [b, C, V] logits once: every fast step is answered in the same
+    buffer (its first rows once some rows are done), and the tokens are those of fresh logits."""
+    outs = []
 
-    runner = fast_runner(model)
-    kw = dict(max_new_tokens=24, max_denoising_steps=6, seed=5, stop_token_ids=[])
-    calls: list[DenoiseCall] = []
-    done = list(drive(runner, prepare(runner, [[5, 6, 7], [8, 9]], **kw), observe=calls.append))[-1]
-    assert len(calls) > 6 and all(c.out is not None for c in calls)
-    assert len({c.out.data_ptr() for c in calls}) == 1
-    assert all(c.out.shape == (*c.tokens.shape, model.text_config.vocab_size) for c in calls)
+    class Recording(Runner):
+        def denoise(self, *args, out=None, **kwargs):
+            outs.append((args[0].shape, out))
+            return super().denoise(*args, out=out, **kwargs)
 
     class Fresh(Runner):  # answers with newly allocated logits, ignoring the buffer
         def denoise(self, *args, out=None, **kwargs):
             return super().denoise(*args, **kwargs)
 
-    fresh = Fresh(model, fast=True)
-    again = list(drive(fresh, prepare(fresh, [[5, 6, 7], [8, 9]], **kw)))[-1]
-    assert again.result.tokens == done.result.tokens
+    kw = dict(max_new_tokens=24, max_denoising_steps=6, seed=5, stop_token_ids=[])
+    done = dgemma.generate(Recording(model, fast=True), [[5, 6, 7], [8, 9]], **kw)
+    assert len(outs) > 6 and all(out is not None for _, out in outs)
+    assert len({out.data_ptr() for _, out in outs}) == 1
+    assert all(out.shape == (*shape, model.text_config.vocab_size) for shape, out in outs)
+    assert dgemma.generate(Fresh(model, fast=True), [[5, 6, 7], [8, 9]], **kw).tokens == done.tokens
+    outs.clear()
+    dgemma.generate(Recording(model, fast=True), [[5, 6, 7]], mode="exact", **kw)
+    assert outs and all(out is None for _, out in outs)  # exact mode: the reference's own allocation
 
 
 def fast_runner(model):
