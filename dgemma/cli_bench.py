@@ -214,7 +214,8 @@ def register(sub) -> None:
         "sampler takes) against autoregressive decoding of the same weights; print a table, the crossover "
         "(steps per canvas below which diffusion wins here), a recommendation, the bytes and FLOPs a step "
         "needs with the achieved GB/s and FLOP/s, a PNG plot and one JSON line. Default model: the shipped "
-        "code model; --preset NAME --random-weights measures an architecture without its weights (the "
+        "code model; --preset NAME --random-weights measures an architecture without its weights (in bf16 on a "
+        "GPU and on a CPU with bf16 matmuls, else fp32, unless --dtype says; the "
         "26b-a4b preset needs a GPU with ~55 GB free in bf16). About a minute on 2 CPU cores for the small "
         "preset.",
     )
