@@ -37,6 +37,7 @@ from .cpu import int8_matmuls
 from .model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
 from .moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
 from .quant import QuantExperts, dequantize, use_kernels
+from .sampling import chunk_columns
 
 # Run all experts densely when that adds fewer than this many multiply-adds over the routed computation.
 DENSE_EXPERTS_MAX_EXTRA = 4_000_000
@@ -81,8 +82,7 @@ class FastLMHead(LMHead):
         if out is None:
             out = torch.empty(*hidden.shape[:-1], v, dtype=torch.float32, device=hidden.device)
         h, flat = hidden.reshape(-1, m), out.view(-1, v)
-        budget = 2**28 if hidden.device.type == "cuda" else 2**22
-        chunk = max(1, min(v, budget // (4 * max(1, h.shape[0]))))
+        chunk = chunk_columns(max(1, h.shape[0]), v, h.device)  # the sampler pass's chunks: one budget
         for a in range(0, v, chunk):
             part = flat[:, a : a + chunk]
             if weight.dtype == torch.float32 and h.dtype == torch.float32:

@@ -65,7 +65,7 @@ def _chunk_rows(vocab: int, device: torch.device) -> int:
     return max(1, min(64, 2**18 // vocab))
 
 
-def _chunk_columns(rows: int, vocab: int, device: torch.device) -> int:
+def chunk_columns(rows: int, vocab: int, device: torch.device) -> int:
     """Vocabulary entries per chunk of a [rows, chunk] fp32 temporary: about 4 MB on a CPU, the whole
     vocabulary (up to 256 MB) on a GPU, where each chunk costs kernel launches."""
     budget = 2**28 if device.type == "cuda" else 2**22
@@ -109,7 +109,7 @@ def canvas_stats(
     b, c, v = logits.shape
     flat = logits.view(b * c, v)
     n = flat.shape[0]
-    chunk = chunk or _chunk_columns(n, v, logits.device)
+    chunk = chunk or chunk_columns(n, v, logits.device)
     top, argmax = flat.max(dim=-1) if flat.device.type == "cuda" else row_max(flat)
     total, dot = flat.new_zeros(n), flat.new_zeros(n)
     soft = None if embedding is None else torch.zeros(n, embedding.shape[1], device=flat.device)
