@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import DenoiseCall, DoneEvent, DraftEvent, SamplingParams, prepare
+from .generate import DenoiseCall, DoneEvent, DraftEvent, LogitsBuffer, SamplingParams, prepare
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
 from .runner import Runner, as_runner
@@ -105,6 +105,7 @@ class Engine:
         self._waiting: deque[EngineRequest] = deque()
         self._calls: deque[tuple[Callable[[Runner], object], Future]] = deque()
         self._active: list[EngineRequest] = []
+        self._logits = LogitsBuffer(self.model.text_config.vocab_size, self.model.device)  # fast batches'
         self._running = 0  # active requests as the submitting threads see them (updated under the lock)
         self._lock = threading.Condition()
         self._stop = False
@@ -305,6 +306,8 @@ class Engine:
         for group in groups:
             self._denoise(group)
         self._active = [r for r in self._active if r._call is not None]
+        if not self._active:
+            self._logits.release()  # idle: hold no logits
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""
@@ -320,7 +323,8 @@ class Engine:
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
         signal = torch.cat(embeds) if embeds else None
         try:
-            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact)
+            out = None if calls[0].exact else self._logits.rows(tokens.shape)
+            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact, out=out)
         except Exception as e:
             for r in group:
                 r.events.put(e)

@@ -630,27 +630,32 @@ def stream(
         yield event
 
 
-class _LogitsBuffer:
-    """One [b, C, V] fp32 logits buffer for a driven loop's fast steps (its first rows once some rows are
-    done): the loop uses each step's logits up before it asks for the next, and on a CPU a fresh
-    allocation of this size is faulted in page by page on every step (~8 ms for 32 MB)."""
+class LogitsBuffer:
+    """One [b, C, V] fp32 logits buffer for the fast steps of a driven loop (or of a server's batches):
+    each step's logits are used up before the next step is asked for, and on a CPU a fresh allocation
+    of this size is faulted in page by page on every step (~8 ms for 32 MB). It grows to the most rows
+    asked for; `release` drops it (an idle server)."""
 
     def __init__(self, vocab: int, device: torch.device):
         self.vocab, self.device = vocab, device
         self.tensor: torch.Tensor | None = None
 
     def rows(self, shape: torch.Size) -> torch.Tensor:
+        """The buffer's first b rows for canvas tokens of `shape` [b, C]."""
         b, c = shape
         if self.tensor is None or self.tensor.shape[1] != c or self.tensor.shape[0] < b:
             self.tensor = torch.empty(b, c, self.vocab, dtype=torch.float32, device=self.device)
         return self.tensor[:b]
+
+    def release(self) -> None:
+        self.tensor = None
 
 
 def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iterator[Event]:
     """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through.
     `observe(call)`, if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
     runner = as_runner(model)
-    reply, buffer = None, _LogitsBuffer(runner.text_config.vocab_size, runner.device)
+    reply, buffer = None, LogitsBuffer(runner.text_config.vocab_size, runner.device)
     while True:
         try:
             item = loop.send(reply)

@@ -465,9 +465,9 @@ class DiffusionGemma(nn.Module):
 
         The cache is read, never written. `self_conditioning` is the previous step's signal as its soft
         embedding (`soft_embedding(logits)`); None is the first step's, exactly zero (as is a row of zeros:
-        training zeroes the signal of some rows that way). The driver of a canvas loop (generate.drive)
-        passes `out`, the previous step's logits buffer: on a CPU a fresh [B, T, V] allocation costs
-        page faults every step.
+        training zeroes the signal of some rows that way). The drivers of canvas loops (generate.drive, the
+        server's engine) pass `out`, the previous step's logits buffer: on a CPU a fresh [B, T, V]
+        allocation costs page faults every step.
         """
         return self.lm_head(self.denoise_hidden(canvas_ids, cache, self_conditioning), out)
 

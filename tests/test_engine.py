@@ -190,3 +190,31 @@ def test_calls_run_on_the_engine_thread_between_steps(model):
             engine.call(lambda runner: None)
     finally:
         engine.close()
+
+
+def test_fast_batches_reuse_one_logits_buffer_and_release_it_when_idle(model):
+    """The engine answers its fast batches in one logits buffer (grown to the largest batch; on a CPU a
+    fresh one is faulted in on every step) and holds none once no request is active."""
+    from dgemma import Runner
+
+    seen = []
+
+    class Recording(Runner):
+        def denoise(self, *args, out=None, **kwargs):
+            seen.append(None if out is None else out.untyped_storage().data_ptr())
+            return super().denoise(*args, out=out, **kwargs)
+
+    engine = Engine(Recording(model, fast=True), max_batch=8)
+    try:
+        cases = requests(seed=2)
+        alone = [solo(model, prompt, params) for prompt, params in cases]
+        submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+        assert [(r.tokens[0], r.finish_reasons[0]) for r in map(collect, submitted)] == alone
+        # every fast step got the buffer, and it was reused (it is regrown only when a batch outgrows it)
+        assert seen and None not in seen and len(set(seen)) <= 4 < len(seen)
+        deadline = time.monotonic() + WAIT
+        while engine._logits.tensor is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._logits.tensor is None
+    finally:
+        engine.close()
