@@ -117,6 +117,17 @@ def _code_part(screen: Screen, runner, tok, seed: int) -> Part:
     return Part("generate", len(result.tokens[0]), sum(s.steps_per_canvas[0]), s.decoder_forward_passes[0], seconds)
 
 
+def _warm_up(runner, tok) -> None:
+    """One untimed step and one AR token first, so that neither the first part nor the AR row carries the
+    one-time costs of a first call (allocations, the BLAS's setup)."""
+    from .ar import generate_ar
+    from .generate import generate
+
+    prompt = tok.encode(GENERATE_PROMPT)
+    generate(runner, prompt, max_new_tokens=runner.model.config.canvas_length, max_denoising_steps=1, seed=0)
+    generate_ar(runner, prompt, 1, stop_token_ids=[])
+
+
 def _ar_part(runner, tok, tokens: int) -> Part:
     """The first part's prompt decoded left to right by the same model, one forward per token (dgemma.ar),
     timed the same way: the baseline that the statistics' "vs AR" column divides by."""
@@ -241,6 +252,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"dgemma demo: code model {directory.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
         f"parameters, canvas {model.config.canvas_length}), on {torch.get_num_threads()} CPU threads"
     )
+    _warm_up(runner, tok)
     parts = [
         _code_part(screen, runner, tok, args.seed),
         _infill_part(screen, runner, tok, args.seed),
