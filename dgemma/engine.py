@@ -323,7 +323,7 @@ class Engine:
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
         signal = torch.cat(embeds) if embeds else None
         try:
-            out = None if calls[0].exact else self._logits.rows(tokens.shape)
+            out = self._logits.rows(tokens.shape) if self.runner.writes_in_place(calls[0].exact) else None
             logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact, out=out)
         except Exception as e:
             for r in group:

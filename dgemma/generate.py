@@ -413,11 +413,12 @@ class _Loop:
         if everyone:
             st.entropy, st.confidence = t.entropy.float(), t.confidence.float()
             return
-        st.entropy = (
-            torch.full((self.b, self.c), float("nan"), device=self.device) if st.entropy is None else st.entropy.clone()
-        )
-        st.confidence = torch.full_like(st.entropy, float("nan")) if st.confidence is None else st.confidence.clone()
-        st.entropy[rows], st.confidence[rows] = t.entropy.float(), t.confidence.float()
+        # new tensors, not writes into the last ones: the events already sent hold those
+        for name, part in (("entropy", t.entropy), ("confidence", t.confidence)):
+            last = getattr(st, name)
+            full = torch.full((self.b, self.c), float("nan"), device=self.device) if last is None else last.clone()
+            full[rows] = part.float()
+            setattr(st, name, full)
 
     def _keep_logprobs(self, st: _Canvas, rows, logprob: torch.Tensor, top: list[torch.Tensor]) -> None:
         """The latest step's log-probabilities of the rows that ran it (stopped rows keep theirs)."""
@@ -664,7 +665,7 @@ def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iter
         if isinstance(item, DenoiseCall):
             if observe is not None:
                 observe(item)
-            out = None if item.exact else buffer.rows(item.tokens.shape)
+            out = buffer.rows(item.tokens.shape) if runner.writes_in_place(item.exact) else None
             reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact, out=out)
         else:
             reply = None

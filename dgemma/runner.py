@@ -114,6 +114,12 @@ class Runner:
             return self.model.denoise(canvas_ids, cache, self_conditioning, out=out)
         return self._fast_denoise(canvas_ids, cache, self_conditioning, out=out)
 
+    def writes_in_place(self, exact: bool) -> bool:
+        """Whether `denoise(..., out=)` writes the logits straight into `out` for this mode (the fast twin's
+        LM head), so that a caller's reused buffer saves an allocation; the reference modules copy them
+        there, which would only add a copy."""
+        return not exact and self.fast is not None
+
     def release(self) -> None:
         """Drop the captured CUDA graphs and their buffers (they are recorded again when needed)."""
         if self.graphs is not None:

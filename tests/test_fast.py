@@ -180,6 +180,9 @@ def test_fast_steps_reuse_one_logits_buffer(model):
     outs.clear()
     dgemma.generate(Recording(model, fast=True), [[5, 6, 7]], mode="exact", **kw)
     assert outs and all(out is None for _, out in outs)  # exact mode: the reference's own allocation
+    outs.clear()
+    dgemma.generate(Recording(model), [[5, 6, 7]], **kw)  # reference modules only: a buffer would be a copy
+    assert outs and all(out is None for _, out in outs)
 
 
 def fast_runner(model):

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..config import TextConfig
 from ..images import preprocess
 from ..model import DiffusionGemma
 from ..vision import Pixels
@@ -126,6 +127,12 @@ class Batch:
     def tokens(self) -> int:
         """Tokens processed (encoder sequence plus the canvas), for throughput."""
         return int(self.valid.sum()) + self.clean.numel()
+
+
+def fill_token(text: TextConfig) -> int:
+    """The token a response shorter than its canvases is filled with (response-relative end-of-text fill):
+    the model's first end-of-text token."""
+    return text.eos_token_ids[0] if text.eos_token_ids else 1
 
 
 def assemble(

@@ -38,6 +38,7 @@ from .config import TrainConfig
 from .data import Example, batch_indices
 from .distill import Trajectory, distillation_loss, pins_for, rollout, teacher_targets
 from .distributed import print0
+from .objective import fill_token
 from .rl import REWARDS, corrupt, group_advantages, grpo_loss, reward_stats, token_logprobs
 from .trainer import StepResult, TrainResult, append_log, load_data, loop, prepare, start_run
 
@@ -126,8 +127,7 @@ def _step(s: _Stage2, step: int) -> StepResult:
 def canvas_reference(response: list[int], canvas: int, text) -> list[int]:
     """The first canvas of a record's response, as stage 1 trains it: a response shorter than the canvas
     (a file's last lines) is filled with end-of-text tokens, so every reference has the canvas's length."""
-    eos = text.eos_token_ids[0] if text.eos_token_ids else 1  # the stage-1 trainer's fill token
-    return response[:canvas] + [eos] * (canvas - len(response))
+    return response[:canvas] + [fill_token(text)] * (canvas - len(response))
 
 
 def _distill_targets(s: _Stage2, prompts, pins, references, runs: list[Trajectory], rewards, seed, record) -> list:

@@ -43,7 +43,7 @@ from . import checkpoint, distributed, lora
 from .config import TrainConfig
 from .data import Example, batch_indices, load_jsonl
 from .lora import apply_lora
-from .objective import assemble, block_diffusion_loss, draw_sample
+from .objective import assemble, block_diffusion_loss, draw_sample, fill_token
 
 EVAL_DRAW_OFFSET = 10**12  # eval samples draw their noise from indices training never reaches
 
@@ -404,7 +404,7 @@ def _batches(cfg: TrainConfig, model: DiffusionGemma, tokenizer: Tokenizer | Non
         held_out,
         canvas=model.config.canvas_length,
         vocab=text.vocab_size,
-        eos_id=text.eos_token_ids[0] if text.eos_token_ids else 1,
+        eos_id=fill_token(text),
         pad_id=text.pad_token_id if text.pad_token_id is not None else 0,
         micro=micro,
         accumulation=cfg.train.batch_size // (micro * world),
