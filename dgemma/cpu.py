@@ -5,10 +5,16 @@ and one with int8 dot products (AMX-INT8, AVX512-VNNI, AVX-VNNI) int8 faster sti
 them through oneDNN. The flags are read from /proc/cpuinfo (none where it is not readable: then nothing
 is assumed). `dgemma bench` reports them; `preferred_dtype` and `int8_matmuls` are the defaults that
 follow from them (measured side by side in BENCHMARKS.md, "bf16 and int8 compute on CPU").
+
+`reuse_freed_memory` is the allocator setting a CPU step needs: without it glibc hands the megabytes a
+step frees back to the kernel and faults them in again on the next step.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
 from functools import cache
 from pathlib import Path
 
@@ -16,6 +22,12 @@ import torch
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")  # /proc/cpuinfo flags of bf16 products
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # and of int8 dot products
+
+# glibc's mallopt parameters (malloc.h) and the values reuse_freed_memory sets.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: blocks under 32 MB come from the heap, not fresh mappings
+TRIM_THRESHOLD = 128 * 2**20  # free memory kept at the heap's top for the next step, at most
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -62,3 +74,25 @@ def preferred_dtype(device: torch.device | str, cpuinfo: str | None = None) -> t
     if torch.device(device).type != "cpu":
         return torch.bfloat16
     return torch.bfloat16 if native_bf16(cpuinfo) else torch.float32
+
+
+@cache
+def reuse_freed_memory() -> bool:
+    """Keep the memory a step frees for the next one (glibc only; once per process): returns whether set.
+
+    glibc serves blocks of 128 KB and more from fresh mappings and returns freed memory at the heap's top
+    to the kernel, so every step of a model's size faults its temporaries in again page by page: 16k page
+    faults per `small` denoising step, a fifth of its time on a virtual machine (BENCHMARKS.md, "page
+    faults"). This sets glibc's mmap threshold to 32 MB (its largest) and its trim threshold to 128 MB: a
+    process keeps at most that much freed memory. Left alone where the user tunes malloc already
+    (GLIBC_TUNABLES, MALLOC_*_ variables) and off glibc (another allocator, or none of these settings)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(v in os.environ for v in MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

@@ -63,9 +63,11 @@ class FastRMSNorm(RMSNorm):
 
 class FastLMHead(LMHead):
     """The LM head over vocabulary chunks: each chunk's product written straight into its columns of the
-    logits (fp32 products need no temporary at all), then softcapped in place while it is in cache.
+    logits (fp32 products need no temporary at all), then softcapped in place while it is in cache, as
+    2c sigmoid(2x / c) - c: tanh's own identity, within 8e-6 of c tanh(x / c) at c = 30 (fp32 rounding of
+    a sigmoid near 1/2, times 2c), at a tenth of the cost of torch's tanh on a CPU.
 
-    On a CPU the chunks are [rows, ~4 MB] (cache-sized: the softcap's three passes then cost little), and
+    On a CPU the chunks are [rows, ~1 MB] (cache-sized: the softcap's passes then cost little), and
     with the caller's `out` buffer no [B, T, V] tensor is allocated, whose fresh pages the kernel would
     otherwise fault in on every step; on a GPU the whole vocabulary is one chunk. With gradients enabled
     it is the reference computation."""
@@ -78,7 +80,7 @@ class FastLMHead(LMHead):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if torch.is_grad_enabled():
             return super().forward(hidden, weight, out)
-        v, m = weight.shape
+        v, m, cap = *weight.shape, self.softcap
         if out is None:
             out = torch.empty(*hidden.shape[:-1], v, dtype=torch.float32, device=hidden.device)
         h, flat = hidden.reshape(-1, m), out.view(-1, v)
@@ -89,8 +91,8 @@ class FastLMHead(LMHead):
                 torch.mm(h, weight[a : a + chunk].t(), out=part)
             else:
                 part.copy_(h @ weight[a : a + chunk].t())
-            if self.softcap is not None:
-                part.div_(self.softcap).tanh_().mul_(self.softcap)
+            if cap is not None:  # c tanh(x / c) = 2c sigmoid(2x / c) - c: a CPU's sigmoid is ~10x its tanh
+                part.mul_(2 / cap).sigmoid_().mul_(2 * cap).sub_(cap)
         return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu import reuse_freed_memory
 from .fast import capturable, fast_twin
 from .graphs import GraphedDenoise
 from .kv_cache import DenoiseCache, KVCache
@@ -41,6 +42,8 @@ class Runner:
         if not fast and (compile or graphs or grouped):
             raise ValueError("compile, graphs and grouped apply to the fast modules: pass fast=True")
         self.model = model
+        if model.device.type == "cpu":
+            reuse_freed_memory()  # else every step faults its freed temporaries in again (dgemma/cpu.py)
         self.fast = fast_twin(model, grouped=grouped) if fast else None
         self.compiled = compile and fast
         self.graphs: GraphedDenoise | None = None
