@@ -33,7 +33,7 @@ from dgemma.testing import TINY_VISION, load_quiet
 SIZES = {
     # preset, canvas length, denoising steps per canvas, prompt length, canvases, repeats
     "tiny": dict(preset="tiny", canvas=32, steps=16, prompt=32, canvases=2, repeats=9),
-    "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=3),
+    "small": dict(preset="small", canvas=256, steps=4, prompt=64, canvases=1, repeats=5),
 }
 
 
@@ -90,11 +90,14 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
         t0 = time.perf_counter()
         fn()  # warm-up (and the one-off compile)
         warmups[engine] = time.perf_counter() - t0
-    # Round robin, so that a slow spell of this shared machine hits every engine alike.
+    # Round robin, so that a slow spell of this shared machine hits every engine alike, the ceiling too:
+    # its rate is sampled in every round, and each engine's share of it is taken in the same rounds.
     samples = {engine: [] for engine in engines}
+    ceilings = []
     for _ in range(size["repeats"]):
         for engine, fn in engines.items():
             samples[engine].append(timed(fn, 1))
+        ceilings.append(matmul_gflops(repeats=5, rounds=1))
     peaks = {}
     for engine, fn in engines.items():
         if not engine.endswith("compile"):  # tensors inside compiled code are not visible to the tracker
@@ -110,9 +113,12 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
             "warmup_s": warmups[engine],
         }
     flops = step_flops(model.config, c, size["prompt"] + c)
-    for r in rows.values():
+    for engine, r in rows.items():
         r["gflops"] = flops / (r["ms_per_step"] / 1000) / 1e9
         r["speedup"] = rows["transformers"]["ms_per_step"] / r["ms_per_step"]
+        # the median over rounds of (this round's step rate / this round's ceiling)
+        shares = [flops * steps / t / 1e9 / ceiling for t, ceiling in zip(samples[engine], ceilings, strict=True)]
+        r["share_of_ceiling"] = statistics.median(shares)
     # diffusion vs autoregressive decoding on the same weights (both on the accelerated eager model)
     generate_ar(fast, prompt[0].tolist(), 8, stop_token_ids=[])
     ar_seconds = timed(lambda: generate_ar(fast, prompt[0].tolist(), c, stop_token_ids=[]), 1)
@@ -128,6 +134,7 @@ def run_size(name: str, size: dict, tmp: Path, compile_: bool) -> dict:
         "prompt": size["prompt"],
         "vocab": vocab,
         "gflop_per_step": flops / 1e9,
+        "ceiling_gflops": statistics.median(ceilings),  # the fp32 matmul rate during these rounds
         "logits_buffer_mb": logits_mb,
         "engines": rows,
         "ar_tokens_per_s": ar_tps,
@@ -142,7 +149,16 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's allocator as it is (a CPU runner otherwise sets it to reuse freed memory)",
+    )
     args = parser.parse_args()
+    if args.glibc_defaults:  # the baseline of dgemma.cpu.reuse_freed_memory: the runner skips it
+        import dgemma.runner
+
+        dgemma.runner.reuse_freed_memory = lambda: False
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -156,14 +172,15 @@ def main() -> None:
             results.append(run_size(name, SIZES[name], Path(tmp), not args.no_compile))
     print(
         f"{'size':6s} {'engine':20s} {'ms/canvas':>10s} {'ms/step':>9s} {'GFLOP/s':>8s} {'peak MB':>8s} "
-        f"{'vs transformers':>16s} {'warm-up s':>10s}"
+        f"{'of ceiling':>10s} {'vs transformers':>16s} {'warm-up s':>10s}"
     )
     for r in results:
         for engine, e in r["engines"].items():
             peak_mb = "-" if e["peak_mb"] is None else f"{e['peak_mb']:.1f}"
             print(
                 f"{r['size']:6s} {engine:20s} {e['ms_per_canvas']:10.1f} {e['ms_per_step']:9.2f} "
-                f"{e['gflops']:8.2f} {peak_mb:>8s} {e['speedup']:15.2f}x {e['warmup_s']:10.1f}"
+                f"{e['gflops']:8.2f} {peak_mb:>8s} {e['share_of_ceiling']:10.0%} {e['speedup']:15.2f}x "
+                f"{e['warmup_s']:10.1f}"
             )
     print()
     for r in results:
@@ -172,9 +189,12 @@ def main() -> None:
             f"per canvas, {r['gflop_per_step']:.2f} GFLOP per step, one fp32 canvas x vocab buffer "
             f"{r['logits_buffer_mb']:.1f} MB; diffusion (fast) {r['diffusion_tokens_per_s']:.0f} tok/s vs AR "
             f"{r['ar_tokens_per_s']:.0f} tok/s; diffusion wins below {r['crossover_steps_per_canvas']:.1f} "
-            "steps per canvas"
+            f"steps per canvas; fp32 matmul ceiling during its rounds {r['ceiling_gflops']:.0f} GFLOP/s"
         )
-    print(f"machine: fp32 matmul {peak:.0f} GFLOP/s on {args.threads} threads (1024^3), the matmul-bound ceiling")
+    print(
+        f"machine: fp32 matmul {peak:.0f} GFLOP/s on {args.threads} threads (1024^3, best of 3 at the start); "
+        "'of ceiling' is each round's step rate over that round's matmul rate (median over rounds)"
+    )
     print(
         json.dumps({"benchmark": "generate_speed", "threads": args.threads, "matmul_gflops": peak, "results": results})
     )

@@ -8,7 +8,8 @@ with forward hooks (CPU ops are synchronous) and by running the sampler pass wit
 embedding. The ceiling is the matmul rate in the weights' dtype (`--dtype bf16`: the CPU's bf16
 products, where it has them). Prints a table and ends with one JSON line.
 
-    python benchmarks/step_breakdown.py [--size small] [--threads 2] [--repeats 5]
+    python benchmarks/step_breakdown.py [--size small] [--threads 2] [--repeats 5] [--dtype bf16]
+        [--quant int8 | int8-dequantized] [--glibc-defaults]
 """
 
 from __future__ import annotations
@@ -96,13 +97,9 @@ def measure(size: str, repeats: int, dtype: torch.dtype = torch.float32, quant: 
     if quant is not None:
         from dgemma.quant import quantize_model
 
-        model = quantize_model(model, quant.removesuffix("-kernel"))
+        model = quantize_model(model, quant.removesuffix("-dequantized"))
     runner = dgemma.accelerate(model)
     fast = runner.modules_for(False)
-    if quant is not None and quant.endswith("-kernel"):  # W8A8: the integer matmul, activations per token
-        from dgemma.quant import use_kernels
-
-        use_kernels(fast)
     c, v = spec["canvas"], model.text_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, v, (1, spec["prompt"]), generator=gen)
@@ -156,8 +153,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the weights' dtype")
-    ap.add_argument("--quant", choices=["int8", "int8-kernel", "fp8", "int4"], default=None, help="quantized weights")
+    ap.add_argument(
+        "--quant",
+        choices=["int8", "int8-dequantized", "fp8", "int4"],
+        default=None,
+        help="quantized weights (int8: W8A8 integer matmuls where the CPU has int8 dot products; "
+        "int8-dequantized: the same weights dequantized for fp32 matmuls)",
+    )
+    ap.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's allocator as it is (a CPU runner otherwise sets it to reuse freed memory)",
+    )
     args = ap.parse_args()
+    if args.glibc_defaults:  # the baseline of dgemma.cpu.reuse_freed_memory: the runner skips it
+        import dgemma.runner
+
+        dgemma.runner.reuse_freed_memory = lambda: False
+    if args.quant == "int8-dequantized":  # the baseline of the W8A8 default: fast_twin does not switch
+        import dgemma.fast
+
+        dgemma.fast.int8_matmuls = lambda: False
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     ceiling = matmul_gflops(dtype=dtype)  # of the weights' dtype: bf16 products where the CPU has them

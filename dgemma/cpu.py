@@ -81,11 +81,13 @@ def reuse_freed_memory() -> bool:
     """Keep the memory a step frees for the next one (glibc only; once per process): returns whether set.
 
     glibc serves blocks of 128 KB and more from fresh mappings and returns freed memory at the heap's top
-    to the kernel, so every step of a model's size faults its temporaries in again page by page: 16k page
-    faults per `small` denoising step, a fifth of its time on a virtual machine (BENCHMARKS.md, "page
-    faults"). This sets glibc's mmap threshold to 32 MB (its largest) and its trim threshold to 128 MB: a
-    process keeps at most that much freed memory. Left alone where the user tunes malloc already
-    (GLIBC_TUNABLES, MALLOC_*_ variables) and off glibc (another allocator, or none of these settings)."""
+    to the kernel (raising both thresholds by itself only once a large mapped block is freed), so until
+    then every step of a model's size faults its temporaries in again page by page: 16k page faults per
+    `small` denoising step, whose steady step is then 1.54x slower and a process's first generation
+    1.28x (benchmarks/cpu_allocator.py). This sets glibc's mmap threshold to 32 MB (its largest) and its
+    trim threshold to 128 MB: a process keeps at most that much freed memory at the heap's top. Left
+    alone where the user tunes malloc already (GLIBC_TUNABLES, MALLOC_*_ variables) and off glibc
+    (another allocator, or none of these settings)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(v in os.environ for v in MALLOC_ENV):
