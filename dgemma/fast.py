@@ -44,7 +44,9 @@ DENSE_EXPERTS_MAX_EXTRA = 4_000_000
 
 
 class FastRMSNorm(RMSNorm):
-    """RMSNorm with fewer ops: rsqrt, and no casts when the input (or the weight) is fp32 already."""
+    """RMSNorm in one op where everything is fp32 (torch's fused `rms_norm`: the reference's arithmetic,
+    the same bits on the CPUs measured, 4-5 us less per call, which counts where operations are small),
+    else with fewer ops: rsqrt, and no casts when the input (or the weight) is fp32 already."""
 
     @classmethod
     def like(cls, norm: RMSNorm) -> FastRMSNorm:
@@ -54,6 +56,8 @@ class FastRMSNorm(RMSNorm):
         return fast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and (self.weight is None or self.weight.dtype == torch.float32):
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         h = x if x.dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:

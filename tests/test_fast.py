@@ -130,6 +130,27 @@ def test_generation_with_the_graphed_step_is_unchanged(model):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_fast_rms_norm_is_the_reference_norm(dtype, with_scale):
+    """fp32 runs torch's fused rms_norm, other dtypes the few-op path: both the reference's values, to a
+    few roundings of fp32 (another summation of the mean of squares, rsqrt for pow(-1/2)) and in bf16 to
+    one bf16 rounding of that fp32 result."""
+    from dgemma.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6, with_scale=with_scale)
+    if with_scale:
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 5, 64, generator=g) * 3).to(dtype)
+    got, ref = fast.FastRMSNorm.like(norm)(x), norm(x)
+    assert got.dtype == ref.dtype == dtype
+    rtol = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=0)
+
+
+@torch.no_grad()
 def test_fast_lm_head_writes_the_reference_logits_into_the_buffer(model, monkeypatch):
     """The chunked head gives the reference head's logits (fp32: to rounding; the chunks' products are the
     same dot products, the cap is tanh's sigmoid identity), softcapped or not, in bf16, and into the
