@@ -53,7 +53,10 @@ class Runner:
             # compiled variant per layer instead of falling back to eager after the default 8.
             dynamo = torch._dynamo.config
             dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * model.text_config.num_hidden_layers)
-            self._fast_denoise = torch.compile(self.fast.denoise)
+            # On a CPU the compiled graph's wrapper is C++ rather than Python: a toy's step is mostly that
+            # wrapper's per-call work (BENCHMARKS.md, "On the machine kind": 23% faster on tiny).
+            options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
+            self._fast_denoise = torch.compile(self.fast.denoise, options=options)
         elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
             self.graphs = GraphedDenoise(self.fast)
             self._fast_denoise = self.graphs

@@ -232,6 +232,25 @@ def test_exact_requests_run_the_reference_modules(model, monkeypatch):
     assert calls  # fast mode does run them
 
 
+@torch.no_grad()
+def test_compiled_denoise_matches_the_eager_twin(model):
+    """`compile=True` (on a CPU with inductor's C++ wrapper) gives the eager twin's logits, to the rounding
+    of fused kernels, with and without self-conditioning. The one test that compiles: about a minute on 2
+    cores the first time, seconds from inductor's on-disk cache."""
+    runner = Runner(model, fast=True, compile=True)
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(1, 16 + 8)
+    model.encode(torch.randint(3, 512, (1, 16), generator=g), cache)
+    canvas = torch.randint(0, 512, (1, 8), generator=g)
+    tol = fp32_logit_tolerance(model)
+    first = runner.denoise(canvas, cache)
+    torch.testing.assert_close(first, runner.fast.denoise(canvas, cache), rtol=0, atol=tol)
+    sc = model.soft_embedding(first / 0.7)
+    torch.testing.assert_close(
+        runner.denoise(canvas, cache, sc), runner.fast.denoise(canvas, cache, sc), rtol=0, atol=tol
+    )
+
+
 def test_runner_arguments_are_checked(model):
     with pytest.raises(ValueError, match="fast=True"):
         Runner(model, compile=True)
