@@ -65,3 +65,20 @@ def peak_tensor_mb(fn) -> float:
     with TensorMemory() as mem:
         fn()
     return mem.peak / 2**20
+
+
+def add_glibc_defaults_flag(parser) -> None:
+    """`--glibc-defaults`: the baseline of dgemma.cpu.reuse_freed_memory (see keep_glibc_defaults)."""
+    parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's allocator as it is (a CPU runner otherwise sets it to reuse freed memory)",
+    )
+
+
+def keep_glibc_defaults() -> None:
+    """CPU runners made after this leave glibc's allocator as it is (the benchmarks' baseline of
+    dgemma.cpu.reuse_freed_memory, which a runner otherwise applies once per process)."""
+    import dgemma.runner
+
+    dgemma.runner.reuse_freed_memory = lambda: False

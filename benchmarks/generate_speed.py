@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from _measure import matmul_gflops, peak_tensor_mb
+from _measure import add_glibc_defaults_flag, keep_glibc_defaults, matmul_gflops, peak_tensor_mb
 
 import dgemma
 from dgemma import accelerate
@@ -149,16 +149,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
-    parser.add_argument(
-        "--glibc-defaults",
-        action="store_true",
-        help="leave glibc's allocator as it is (a CPU runner otherwise sets it to reuse freed memory)",
-    )
+    add_glibc_defaults_flag(parser)
     args = parser.parse_args()
-    if args.glibc_defaults:  # the baseline of dgemma.cpu.reuse_freed_memory: the runner skips it
-        import dgemma.runner
-
-        dgemma.runner.reuse_freed_memory = lambda: False
+    if args.glibc_defaults:
+        keep_glibc_defaults()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 import torch
-from _measure import matmul_gflops
+from _measure import add_glibc_defaults_flag, keep_glibc_defaults, matmul_gflops
 
 import dgemma
 from dgemma.config import preset
@@ -160,16 +160,10 @@ def main() -> None:
         help="quantized weights (int8: W8A8 integer matmuls where the CPU has int8 dot products; "
         "int8-dequantized: the same weights dequantized for fp32 matmuls)",
     )
-    ap.add_argument(
-        "--glibc-defaults",
-        action="store_true",
-        help="leave glibc's allocator as it is (a CPU runner otherwise sets it to reuse freed memory)",
-    )
+    add_glibc_defaults_flag(ap)
     args = ap.parse_args()
-    if args.glibc_defaults:  # the baseline of dgemma.cpu.reuse_freed_memory: the runner skips it
-        import dgemma.runner
-
-        dgemma.runner.reuse_freed_memory = lambda: False
+    if args.glibc_defaults:
+        keep_glibc_defaults()
     if args.quant == "int8-dequantized":  # the baseline of the W8A8 default: fast_twin does not switch
         import dgemma.fast
 
