@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 # One case in a fresh process: prints "seconds faults" of what it measures.
 CASE = """
 import resource, statistics, sys, time, torch
-import dgemma, dgemma.runner
+import dgemma
+from _measure import keep_glibc_defaults
 from dgemma.config import preset
 case, allocator = sys.argv[1], sys.argv[2]
 if allocator == "glibc":
-    dgemma.runner.reuse_freed_memory = lambda: False  # the runner leaves glibc's defaults alone
+    keep_glibc_defaults()
 torch.set_num_threads(2)
 config = preset("small")
 config.canvas_length = 256
@@ -58,7 +61,10 @@ ALLOCATORS = ("glibc", "reuse")
 
 
 def run_case(case: str, allocator: str) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", CASE, case, allocator], capture_output=True, text=True, check=True)
+    here = str(Path(__file__).resolve().parent)  # for _measure
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-c", CASE, case, allocator]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     seconds, faults = out.stdout.split()[-2:]
     return float(seconds), float(faults)
 

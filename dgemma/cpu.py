@@ -76,6 +76,11 @@ def preferred_dtype(device: torch.device | str, cpuinfo: str | None = None) -> t
     return torch.bfloat16 if native_bf16(cpuinfo) else torch.float32
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on Linux's glibc (whose allocator reuse_freed_memory tunes)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 @cache
 def reuse_freed_memory() -> bool:
     """Keep the memory a step frees for the next one (glibc only; once per process): returns whether set.
@@ -88,7 +93,7 @@ def reuse_freed_memory() -> bool:
     trim threshold to 128 MB: a process keeps at most that much freed memory at the heap's top. Left
     alone where the user tunes malloc already (GLIBC_TUNABLES, MALLOC_*_ variables) and off glibc
     (another allocator, or none of these settings)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return False
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(v in os.environ for v in MALLOC_ENV):
         return False

@@ -130,9 +130,9 @@ def run_steps(mode: str, env: dict | None = None) -> tuple[str, int, int]:
 
 
 def test_cpu_steps_reuse_their_freed_memory_instead_of_faulting_it_in_again():
-    import platform
+    from dgemma.cpu import on_glibc
 
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         pytest.skip("the allocator setting is glibc's")
     set_, faults, pages = run_steps("reuse")
     # Steady state: most pages are reused (0-6% faulted in again over runs on the CI's VMs, as the layout

@@ -146,7 +146,9 @@ def test_fast_rms_norm_is_the_reference_norm(dtype, with_scale):
     x = (torch.randn(3, 5, 64, generator=g) * 3).to(dtype)
     got, ref = fast.FastRMSNorm.like(norm)(x), norm(x)
     assert got.dtype == ref.dtype == dtype
-    rtol = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+    # fp32: the 64 squares summed in another order (log2 64 = 6 roundings of the mean, halved by rsqrt),
+    # rsqrt's own and the two products' roundings: under 8 eps on any vectorisation.
+    rtol = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
     torch.testing.assert_close(got, ref, rtol=rtol, atol=0)
 
 
