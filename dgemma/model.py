@@ -500,6 +500,7 @@ class DiffusionGemma(nn.Module):
             keep_all=keep_all,
         )
 
+    @torch.compiler.disable  # it reads the ids back to the host: in a compiled encode it runs eagerly, unguarded
     def _check_ids(self, ids: torch.Tensor, with_images: bool = False) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be an integer tensor (got {ids.dtype})")

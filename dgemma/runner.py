@@ -1,12 +1,12 @@
 """The forward passes generation runs, and the kernels that run them: `Runner.encode` and `Runner.denoise`.
 
     runner = dgemma.accelerate(model)               # fast modules, CUDA graphs on CUDA
-    runner = dgemma.accelerate(model, compile=True)  # ... and torch.compile of the denoising pass
+    runner = dgemma.accelerate(model, compile=True)  # ... and torch.compile of its denoise and encode passes
     dgemma.generate(runner, prompt)                  # wherever a model goes: generate, Engine, create_app
 
 A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
 over the same weights with the fast modules swapped in (dgemma/fast.py), whose denoising pass it may
-compile or replay from captured CUDA graphs (dgemma/graphs.py). Which one runs is the request's
+compile (its text encodes too) or replay from captured CUDA graphs (dgemma/graphs.py). Which one runs is the request's
 sampler mode: `exact` requests always run the reference modules eagerly, so they keep transformers'
 numbers on any runner; `fast` requests run the twin. A bare model passed where a runner goes is
 `Runner(model)`: the reference modules for every request.
@@ -25,8 +25,9 @@ from .model import DiffusionGemma, EncodeOutput
 
 class Runner:
     """Runs `encode` / `denoise` for generation: the reference modules for exact mode, the fast twin (if
-    any) for fast mode. `compile` and `graphs` (default: on CUDA when the step can be captured) apply
-    to the twin's denoising pass; `grouped` to its experts (see dgemma.fast.fast_twin)."""
+    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes, `graphs`
+    (default: on CUDA when the step can be captured) to its denoising pass; `grouped` to its experts
+    (see dgemma.fast.fast_twin)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Runner:
         self.compiled = compile and fast
         self.graphs: GraphedDenoise | None = None
         self._fast_denoise = None if self.fast is None else self.fast.denoise
+        self._fast_encode = None if self.fast is None else self.fast.encode
         if self.compiled:
             # Experts that loop over a data-dependent split break the graph once per layer; allow one
             # compiled variant per layer instead of falling back to eager after the default 8.
@@ -57,6 +59,7 @@ class Runner:
             # wrapper's per-call work (BENCHMARKS.md, "On the issue's machine kind": 23% faster on tiny).
             options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
             self._fast_denoise = torch.compile(self.fast.denoise, options=options)
+            self._fast_encode = torch.compile(self.fast.encode, options=options)
         elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
             self.graphs = GraphedDenoise(self.fast)
             self._fast_denoise = self.graphs
@@ -100,10 +103,13 @@ class Runner:
         exact: bool = False,
         pixels=None,
     ) -> EncodeOutput:
-        """`DiffusionGemma.encode` on the modules for `exact` (the twin's encode is never compiled:
-        prompts and commits have varying lengths)."""
-        model = self.modules_for(exact)
-        return model.encode(input_ids, cache, attention_mask, return_logits=return_logits, pixels=pixels)
+        """`DiffusionGemma.encode` on the modules for `exact`; with `compile`, the twin's text encodes
+        (prompts and commits) run compiled: dynamo recompiles once their lengths vary, then treats them as
+        dynamic, and the id check runs eagerly. Encodes with images run eagerly."""
+        if exact or self._fast_encode is None or pixels is not None:
+            model = self.modules_for(exact)
+            return model.encode(input_ids, cache, attention_mask, return_logits=return_logits, pixels=pixels)
+        return self._fast_encode(input_ids, cache, attention_mask, return_logits=return_logits)
 
     def denoise(
         self,

@@ -253,6 +253,35 @@ def test_compiled_denoise_matches_the_eager_twin(model):
     )
 
 
+@torch.no_grad()
+def test_compiled_encode_matches_the_eager_twin(model):
+    """`compile=True` compiles the twin's encode too (prompts and commits): the same hidden states, logits
+    and cache contents as the eager twin, to the rounding of fused kernels, for a left-padded batch and a
+    commit of another length after it (dynamo recompiles for the new length and for the missing mask);
+    the id check still refuses bad ids, eagerly."""
+    runner = Runner(model, fast=True, compile=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 512, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # the second prompt is left-padded
+    commit = torch.randint(3, 512, (2, 8), generator=g)
+    caches = []
+    for encode in (runner.encode, runner.fast.encode):
+        cache = model.new_cache(2, 12 + 8)
+        first = encode(prompts, cache, mask, return_logits=True)
+        second = encode(commit, cache, return_logits=True)
+        caches.append((cache, first, second))
+    (got, *outs), (want, *refs) = caches
+    tol = fp32_logit_tolerance(model)
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=tol)
+    assert got.length == want.length == 20 and torch.equal(got.valid, want.valid)
+    for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fused kernels round differently
+    with pytest.raises(ValueError, match="token ids must lie"):
+        runner.encode(torch.full((2, 4), 512), got)
+
+
 def test_runner_arguments_are_checked(model):
     with pytest.raises(ValueError, match="fast=True"):
         Runner(model, compile=True)
