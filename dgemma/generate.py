@@ -384,6 +384,7 @@ class _Loop:
             self.gen,
             self.embedding,
             self.embed_scale,
+            self.runner.canvas_stats,
         )
         if lse is not None:
             drafted = logits.gather(-1, t.argmax[..., None]).squeeze(-1) * self.temperatures[step]

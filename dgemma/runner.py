@@ -6,10 +6,11 @@
 
 A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
 over the same weights with the fast modules swapped in (dgemma/fast.py), whose denoising pass it may
-compile (its text encodes too) or replay from captured CUDA graphs (dgemma/graphs.py). Which one runs is the request's
-sampler mode: `exact` requests always run the reference modules eagerly, so they keep transformers'
-numbers on any runner; `fast` requests run the twin. A bare model passed where a runner goes is
-`Runner(model)`: the reference modules for every request.
+compile (its text encodes, and a toy's sampler statistics, too) or replay from captured CUDA graphs
+(dgemma/graphs.py). Which one runs is the request's sampler mode: `exact` requests always run the
+reference modules eagerly, so they keep transformers' numbers on any runner; `fast` requests run the
+twin. A bare model passed where a runner goes is `Runner(model)`: the reference modules for every
+request.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from .fast import capturable, fast_twin
 from .graphs import GraphedDenoise
 from .kv_cache import DenoiseCache, KVCache
 from .model import DiffusionGemma, EncodeOutput
+from .sampling import CanvasStats, canvas_stats, chunk_columns
 
 
 class Runner:
     """Runs `encode` / `denoise` for generation: the reference modules for exact mode, the fast twin (if
-    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes, `graphs`
+    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes (and to the
+    sampler's statistics where the vocabulary is one chunk: `canvas_stats`), `graphs`
     (default: on CUDA when the step can be captured) to its denoising pass; `grouped` to its experts
     (see dgemma.fast.fast_twin)."""
 
@@ -50,6 +53,7 @@ class Runner:
         self.graphs: GraphedDenoise | None = None
         self._fast_denoise = None if self.fast is None else self.fast.denoise
         self._fast_encode = None if self.fast is None else self.fast.encode
+        self._canvas_stats = canvas_stats
         if self.compiled:
             # Experts that loop over a data-dependent split break the graph once per layer; allow one
             # compiled variant per layer instead of falling back to eager after the default 8.
@@ -60,6 +64,7 @@ class Runner:
             options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
             self._fast_denoise = torch.compile(self.fast.denoise, options=options)
             self._fast_encode = torch.compile(self.fast.encode, options=options)
+            self._canvas_stats = torch.compile(canvas_stats, options=options)
         elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
             self.graphs = GraphedDenoise(self.fast)
             self._fast_denoise = self.graphs
@@ -125,6 +130,18 @@ class Runner:
         if exact or self._fast_denoise is None:
             return self.model.denoise(canvas_ids, cache, self_conditioning, out=out)
         return self._fast_denoise(canvas_ids, cache, self_conditioning, out=out)
+
+    def canvas_stats(
+        self, logits: torch.Tensor, embedding: torch.Tensor | None = None, embed_scale: torch.Tensor | None = None
+    ) -> CanvasStats:
+        """`sampling.canvas_stats` of a fast step's logits; with `compile`, compiled where the whole
+        vocabulary is one chunk: a toy's ~20 small operations, bound by their overhead, become a fused
+        kernel and a matmul. Longer rows keep the chunked eager pass, whose products already run near
+        the matmul rate and whose loop would only lengthen the compile."""
+        b, c, v = logits.shape
+        if chunk_columns(b * c, v, logits.device) >= v:
+            return self._canvas_stats(logits, embedding, embed_scale)
+        return canvas_stats(logits, embedding, embed_scale)
 
     def writes_in_place(self, exact: bool) -> bool:
         """Whether `denoise(..., out=)` writes the logits straight into `out` for this mode (the fast twin's

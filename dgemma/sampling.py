@@ -16,6 +16,7 @@ positions to accept this step. Non-accepted positions are renoised with uniform 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -371,10 +372,12 @@ def fast_transition(
     generator: torch.Generator | None = None,
     embedding: torch.Tensor | None = None,
     embed_scale: torch.Tensor | None = None,
+    stats: Callable[..., CanvasStats] = canvas_stats,
 ) -> Transition:
     """The same distribution as `reference_transition` for the entropy-bound sampler, computed with
-    [chunk, V] temporaries, drawing only at accepted positions. Pinned positions keep their values."""
-    stats = canvas_stats(logits, embedding, embed_scale)
+    [chunk, V] temporaries, drawing only at accepted positions. Pinned positions keep their values.
+    `stats` computes the statistics: `canvas_stats`, or a runner's compiled version of it."""
+    stats = stats(logits, embedding, embed_scale)
     accept = sampler.accept(stats, step_index, ~pinned)
     drawn = draw(logits, accept, generator)
     noise = random_tokens(drawn.shape, logits.shape[-1], logits.device, generator)

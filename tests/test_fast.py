@@ -237,8 +237,8 @@ def test_exact_requests_run_the_reference_modules(model, monkeypatch):
 @torch.no_grad()
 def test_compiled_denoise_matches_the_eager_twin(model):
     """`compile=True` (on a CPU with inductor's C++ wrapper) gives the eager twin's logits, to the rounding
-    of fused kernels, with and without self-conditioning. The one test that compiles: about a minute on 2
-    cores the first time, seconds from inductor's on-disk cache."""
+    of fused kernels, with and without self-conditioning. Compiling takes about a minute on 2 cores the
+    first time, seconds from inductor's on-disk cache."""
     runner = Runner(model, fast=True, compile=True)
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(1, 16 + 8)
@@ -281,6 +281,29 @@ def test_compiled_encode_matches_the_eager_twin(model):
         torch.testing.assert_close(a, b, rtol=0, atol=state_tol)
     with pytest.raises(ValueError, match="token ids must lie"):
         runner.encode(torch.full((2, 4), 512), got)
+
+
+def test_compiled_canvas_stats_match_the_eager_pass(model):
+    """With `compile`, a step's statistics over a one-chunk vocabulary run compiled: the same argmax (ties
+    go to the first index) and, to the rounding of a fused V-term sum, the same entropy, confidence and
+    soft embedding. Rows longer than a chunk keep the eager pass, bit for bit."""
+    from dgemma.sampling import canvas_stats
+
+    runner = Runner(model, fast=True, compile=True)
+    g = torch.Generator().manual_seed(2)
+    w = model.embed_tokens.weight
+    scale = model.embed_scale(w.dtype)
+    logits = 4 * torch.randn(2, 8, 512, generator=g)
+    logits[0, 3, [7, 300]] = logits[0, 3].max() + 1  # a tie: the first index wins
+    got, want = runner.canvas_stats(logits, w, scale), canvas_stats(logits, w, scale)
+    assert torch.equal(got.argmax, want.argmax) and got.argmax[0, 3] == 7
+    v = logits.shape[-1]
+    for name in ("entropy", "confidence", "soft_embeds"):
+        a, b = getattr(got, name), getattr(want, name)
+        torch.testing.assert_close(a, b, rtol=0, atol=fp32_tolerance(b.abs().max().item(), v, num_layers=0))
+    long = torch.randn(1, 600, 512, generator=g)  # 600 x 512 fp32 rows: more than one 1 MB chunk
+    got, want = runner.canvas_stats(long, w, scale), canvas_stats(long, w, scale)
+    assert all(torch.equal(getattr(got, n), getattr(want, n)) for n in ("entropy", "argmax", "soft_embeds"))
 
 
 def test_runner_arguments_are_checked(model):
