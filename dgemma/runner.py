@@ -27,8 +27,8 @@ from .sampling import CanvasStats, canvas_stats, chunk_columns
 
 class Runner:
     """Runs `encode` / `denoise` for generation: the reference modules for exact mode, the fast twin (if
-    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes (and to the
-    sampler's statistics where the vocabulary is one chunk: `canvas_stats`), `graphs`
+    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes (and, on a
+    CPU, to the sampler's statistics where the vocabulary is one chunk: `canvas_stats`), `graphs`
     (default: on CUDA when the step can be captured) to its denoising pass; `grouped` to its experts
     (see dgemma.fast.fast_twin)."""
 
@@ -64,7 +64,8 @@ class Runner:
             options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
             self._fast_denoise = torch.compile(self.fast.denoise, options=options)
             self._fast_encode = torch.compile(self.fast.encode, options=options)
-            self._canvas_stats = torch.compile(canvas_stats, options=options)
+            if model.device.type == "cpu":  # measured there (BENCHMARKS.md); a GPU's step replays CUDA graphs
+                self._canvas_stats = torch.compile(canvas_stats, options=options)
         elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
             self.graphs = GraphedDenoise(self.fast)
             self._fast_denoise = self.graphs
@@ -134,10 +135,10 @@ class Runner:
     def canvas_stats(
         self, logits: torch.Tensor, embedding: torch.Tensor | None = None, embed_scale: torch.Tensor | None = None
     ) -> CanvasStats:
-        """`sampling.canvas_stats` of a fast step's logits; with `compile`, compiled where the whole
-        vocabulary is one chunk: a toy's ~20 small operations, bound by their overhead, become a fused
-        kernel and a matmul. Longer rows keep the chunked eager pass, whose products already run near
-        the matmul rate and whose loop would only lengthen the compile."""
+        """`sampling.canvas_stats` of a fast step's logits; with `compile` on a CPU, compiled where the
+        whole vocabulary is one 1 MB chunk: a toy's ~20 small operations, bound by their overhead, become
+        a fused kernel and a matmul. Longer rows keep the chunked eager pass, whose products already run
+        near the matmul rate and whose loop would only lengthen the compile."""
         b, c, v = logits.shape
         if chunk_columns(b * c, v, logits.device) >= v:
             return self._canvas_stats(logits, embedding, embed_scale)
