@@ -64,7 +64,7 @@ class Runner:
             options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
             self._fast_denoise = torch.compile(self.fast.denoise, options=options)
             self._fast_encode = torch.compile(self.fast.encode, options=options)
-            if model.device.type == "cpu":  # measured there (BENCHMARKS.md); a GPU's step replays CUDA graphs
+            if model.device.type == "cpu":  # measured there (BENCHMARKS.md), not on a GPU
                 self._canvas_stats = torch.compile(canvas_stats, options=options)
         elif self.fast is not None and (capturable(self.fast) if graphs is None else graphs):
             self.graphs = GraphedDenoise(self.fast)
