@@ -4,9 +4,11 @@ Each request runs the same canvas loop as `dgemma.generate` (its own prompt, cac
 and random generator). What the engine adds is that the loops' model calls are batched: every step, the
 current canvas of each active request goes through one `denoise` pass together (their caches stacked,
 each at its own length), and each loop then continues on its share of the logits. New requests join at
-the next step (up to `max_batch` active); beyond that they wait in a bounded queue; a full queue is
-refused at once so the server can answer 429. A request that is cancelled (its client went away) or
-runs past its deadline is dropped at the next step; `drain` ends every request (a shutdown).
+the next step (up to `max_batch` active); beyond that they wait in a queue bounded in requests and in prompt
+tokens (the prefill work waiting); a full queue is refused at once so the server can answer 429. A
+request that is cancelled (its client went away) or runs past its deadline is dropped at the next step,
+and one that waited in the queue is dropped before its prompt is encoded; `drain` ends every request (a
+shutdown).
 
 Each request gets the random draws it would get alone for its seed: fast mode draws from the request's
 own generator, and exact mode (which, like the reference, draws from torch's global generator) runs each
@@ -76,6 +78,12 @@ class EngineRequest:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The tokens its prefill encodes (every row)."""
+        rows = self.prompt if self.prompt and isinstance(self.prompt[0], list) else [self.prompt]
+        return sum(len(row) for row in rows)
+
 
 @dataclass
 class EngineStats:
@@ -94,13 +102,23 @@ class Engine:
     """Owns the model (a DiffusionGemma or a Runner of one); `submit` requests from any thread, read their
     events from `request.events`."""
 
-    def __init__(self, model: DiffusionGemma | Runner, *, max_batch: int = 8, max_queue: int = 64):
-        if max_batch <= 0 or max_queue < 0:
-            raise ValueError("max_batch must be > 0 and max_queue >= 0")
+    def __init__(
+        self,
+        model: DiffusionGemma | Runner,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_queued_tokens: int | None = None,
+    ):
+        """`max_queued_tokens` bounds the prompt tokens of the waiting requests (None: no bound); a request
+        that alone exceeds it is taken when nothing else waits."""
+        if max_batch <= 0 or max_queue < 0 or (max_queued_tokens is not None and max_queued_tokens <= 0):
+            raise ValueError("max_batch and max_queued_tokens must be > 0, and max_queue >= 0")
         self.runner = as_runner(model)
         self.model = self.runner.model
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_queued_tokens = max_queued_tokens
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
         self._calls: deque[tuple[Callable[[Runner], object], Future]] = deque()
@@ -119,9 +137,17 @@ class Engine:
         with self._lock:
             if self._draining:
                 raise ShuttingDown("the server is shutting down")
+            left = [r for r in self._waiting if r.cancelled.is_set()]  # their clients went away
+            if left:
+                self._waiting = deque(r for r in self._waiting if not r.cancelled.is_set())
+                self.stats.requests_cancelled += len(left)
             if len(self._waiting) + self._running >= self.max_batch + self.max_queue:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; try again shortly")
+            queued = sum(r.prompt_tokens for r in self._waiting)
+            if self._waiting and self.max_queued_tokens and queued + request.prompt_tokens > self.max_queued_tokens:
+                self.stats.requests_rejected += 1
+                raise QueueFull(f"{queued} prompt tokens are waiting for their prefill; try again shortly")
             self._waiting.append(request)
             self.stats.requests += 1
             self._lock.notify()
@@ -205,8 +231,25 @@ class Engine:
         except Exception as e:  # the caller's to handle; the engine goes on
             future.set_exception(e)
 
+    def _gone(self, request: EngineRequest, now: float) -> bool:
+        """Whether `request` ends here because its client left (cancelled) or its deadline passed (it gets
+        a RequestTimeout); its loop, if it has one, is closed."""
+        if request.cancelled.is_set():
+            self.stats.requests_cancelled += 1
+        elif request.timeout is not None and now - request.submitted > request.timeout:
+            self.stats.requests_failed += 1
+            request.events.put(RequestTimeout(f"the request took longer than {request.timeout:g} s"))
+        else:
+            return False
+        if request._loop is not None:
+            request._loop.close()
+        return True
+
     def _start(self, request: EngineRequest) -> None:
-        """Encode the prompt and run the loop up to its first model call."""
+        """Encode the prompt and run the loop up to its first model call; nothing for a request whose
+        client left, or whose deadline passed, while it waited."""
+        if self._gone(request, time.monotonic()):
+            return
         params = request.params
         if isinstance(params, dict):
             params = SamplingParams(**params)
@@ -283,16 +326,8 @@ class Engine:
                 r._loop.close()
                 r.events.put(ShuttingDown("the server is shutting down"))
                 continue
-            if r.cancelled.is_set():
-                self.stats.requests_cancelled += 1
-                r._loop.close()
-                continue
-            if r.timeout is not None and now - r.submitted > r.timeout:
-                self.stats.requests_failed += 1
-                r._loop.close()
-                r.events.put(RequestTimeout(f"the request took longer than {r.timeout:g} s"))
-                continue
-            keep.append(r)
+            if not self._gone(r, now):
+                keep.append(r)
         self._active = keep
 
     def _step(self) -> None:

@@ -60,6 +60,7 @@ import torch
 from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
 from .generate import GenerationResult, GenerationStats, SamplingParams, generate, prompt_rows
+from .json_values import MAX_VALUE_DEPTH, first_problem
 from .runner import Runner, as_runner
 from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument, write_key
 
@@ -796,9 +797,14 @@ def compile_schema(
 
 
 def _checked(schema: dict):
-    """The validator class of a schema that jsonschema accepts and that expands to a bounded layout."""
+    """The validator class of a schema that jsonschema accepts, whose numbers are all finite (a NaN
+    `const` would make an answer that is not JSON; an infinite bound has no layout) and that expands to a
+    bounded layout."""
     import jsonschema
 
+    problem = first_problem(schema, MAX_VALUE_DEPTH)
+    if problem is not None:
+        raise _refuse("." + problem[0] if problem[0] else "", problem[1])
     try:
         validator = jsonschema.validators.validator_for(schema)
         validator.check_schema(schema)

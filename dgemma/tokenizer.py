@@ -66,6 +66,21 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ValueError(f"the chat template does not compile (line {e.lineno}): {e.message}") from e
 
 
+TEXT_ONLY_ROLES = ("system", "developer", "tool")  # roles whose content templates read as one string
+
+
+def _parts_text(i: int, role: str, parts: list) -> str:
+    """The text of a text-only role's content parts, one part a line (OpenAI takes parts in every role;
+    templates read these roles' content as a string, and would otherwise write the list's repr)."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message {i}: a {role} message holds text parts only (got {kind!r})")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -81,6 +96,8 @@ def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     raise ValueError(
                         f"message {i} has {kind} content; dgemma takes text, image and video (frames) parts"
                     )
+            if m["role"] in TEXT_ONLY_ROLES:
+                m = {**m, "content": _parts_text(i, m["role"], content)}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"message {i}: content must be a string or a list of parts (got {type(content).__name__})")
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
@@ -277,6 +294,9 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
+        except (TypeError, AttributeError, RecursionError) as e:  # values of the wrong type, or nested too deep
+            what = f"{type(e).__name__}: {e}"
+            raise ValueError(f"the chat template cannot render these messages or tools ({what})") from e
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat (the template writes any BOS itself, so none is added). Messages

@@ -17,6 +17,95 @@ for _ in range(6):  # a small schema that would expand to 32**6 values
     _NESTED_ARRAYS = {"type": "array", "items": _NESTED_ARRAYS, "maxItems": 32}
 USER = [{"role": "user", "content": "x"}]
 
+
+def _nested(depth: int, leaf: object, key: str | None = None) -> object:
+    """`leaf` inside `depth` lists (or objects under `key`)."""
+    for _ in range(depth):
+        leaf = [leaf] if key is None else {key: leaf}
+    return leaf
+
+
+def _tool(function: object) -> dict:
+    return {"type": "function", "function": function}
+
+
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _replayed(function: object) -> list[dict]:
+    """A conversation replaying an assistant's tool call whose `function` is this, and its answer."""
+    call = {"id": "c1", "type": "function", "function": function}
+    return [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+
+
+_F = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+_FORCED = {"tool_choice": {"type": "function", "function": {"name": "f"}}}
+_DEEP_PROPERTIES = _nested(120, {"type": "string"}, "properties")
+_IN_SYSTEM = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+# Issue 40: the free-form parts of a request (tools, replayed tool calls, schemas), non-finite numbers
+# anywhere in a body, and image parts in roles that hold text only. Each is a 400 naming PARAMS[name].
+ISSUE_40: list[tuple[str, str, object, tuple[int, ...]]] = [
+    (f"a tool named {name!r}", CHAT, {"messages": USER, "tools": [_tool({"name": name})]}, (400,))
+    for name in (5, None, ["f"], {"a": 1}, True)
+] + [
+    (f"a replayed call named {name!r}", CHAT, {"messages": _replayed({"name": name, "arguments": "{}"})}, (400,))
+    for name in (7, None, ["f"], 1.5)
+] + [
+    ("tools[].function a string, tool_choice named", CHAT, {"messages": USER, "tools": [_tool("f")], **_FORCED}, (400,)),
+    ("tools[].function a list, tool_choice named", CHAT, {"messages": USER, "tools": [_tool(["f"])], **_FORCED}, (400,)),
+    ("tools[] a string", CHAT, {"messages": USER, "tools": ["f"], "tool_choice": "required"}, (400,)),
+    ("a tool description of nested lists", CHAT, {"messages": USER, "tools": [_tool({**_F, "description": _nested(150, "d")})]}, (400,)),
+    ("tool parameters nested 120 deep", CHAT, {"messages": USER, "tools": [_tool({"name": "f", "parameters": _DEEP_PROPERTIES})]}, (400,)),
+    ("tool parameters nested 40 deep", CHAT, {"messages": USER, "tools": [_tool({"name": "f", "parameters": _nested(40, {}, "properties")})]}, (400,)),
+    ("replayed arguments 200 deep", CHAT, {"messages": _replayed({"name": "f", "arguments": _nested(200, 1, "a")})}, (400,)),
+    ("replayed arguments text 40 deep", CHAT, {"messages": _replayed({"name": "f", "arguments": json.dumps(_nested(40, 1, "a"))})}, (400,)),
+    ("replayed arguments text [ x 1e5", CHAT, {"messages": _replayed({"name": "f", "arguments": "[" * 100_000})}, (400,)),
+    ("replayed arguments text of a 5000-digit integer", CHAT, {"messages": _replayed({"name": "f", "arguments": '{"a": ' + "9" * 5000 + "}"})}, (400,)),
+    ("replayed arguments text holding NaN", CHAT, {"messages": _replayed({"name": "f", "arguments": '{"a": NaN}'})}, (400,)),
+    ("replayed arguments text holding 1e400", CHAT, {"messages": _replayed({"name": "f", "arguments": '{"a": -1e400}'})}, (400,)),
+    ("replayed arguments a number", CHAT, {"messages": _replayed({"name": "f", "arguments": 5})}, (400,)),
+    ("a schema maximum of 1e400", CHAT, {"messages": USER, "response_format": _schema({"type": "number", "maximum": 1e400})}, (400,)),
+    ("a schema minimum of -1e400", CHAT, {"messages": USER, "response_format": _schema({"type": "integer", "minimum": -1e400})}, (400,)),
+    ("a schema bound of a 400-digit integer", CHAT, {"messages": USER, "response_format": _schema({"type": "integer", "maximum": 10**400})}, (400,)),
+    ("a schema bound of a 5000-digit integer", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": ' + b"9" * 5000 + b"}}}}", (400,)),
+    ("a forced tool's bound of 1e400", CHAT, {"messages": USER, "tools": [_tool({"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "number", "maximum": 1e400}}}})], **_FORCED}, (400,)),
+    ("a schema const NaN", CHAT, {"messages": USER, "response_format": _schema({"type": "object", "properties": {"a": {"const": float("nan")}}})}, (400,)),
+    ("a schema enum holding Infinity", CHAT, {"messages": USER, "response_format": _schema({"type": "object", "properties": {"a": {"enum": [1, float("inf")]}}})}, (400,)),
+    ("a schema enum holding -Infinity", CHAT, {"messages": USER, "response_format": _schema({"enum": [float("-inf")]})}, (400,)),
+    ("NaN in a completion's seed", COMPLETIONS, b'{"prompt": "a", "seed": NaN}', (400,)),
+    ("Infinity deep in a message", CHAT, b'{"messages": [{"role": "user", "content": "x", "name": Infinity}]}', (400,)),
+    ("an image part in a system message", CHAT, {"messages": [{"role": "system", "content": [_IN_SYSTEM]}, *USER]}, (400,)),
+    ("an image part in a tool message", CHAT, {"messages": [*_replayed({"name": "f", "arguments": "{}"})[:2], {"role": "tool", "tool_call_id": "c1", "content": [_IN_SYSTEM]}]}, (400,)),
+    ("an image part in an assistant message", CHAT, {"messages": [*USER, {"role": "assistant", "content": [_IN_SYSTEM]}, *USER]}, (400,)),
+    ("a system part that is not text", CHAT, {"messages": [{"role": "system", "content": [{"type": "audio"}]}, *USER]}, (400,)),
+    ("a canvas scored after a prompt id out of range", "/v1/canvas/score", {"prompt": [10**6], "canvas": [1]}, (400,)),
+]  # fmt: skip
+
+# the field each of those names (the error's `param` starts with it: a bound deep in a value names the path)
+PARAMS = {
+    **{f"a tool named {n!r}": "tools.0.function.name" for n in (5, None, ["f"], {"a": 1}, True)},
+    **{f"a replayed call named {n!r}": "messages.1.tool_calls.0.function.name" for n in (7, None, ["f"], 1.5)},
+    "tools[].function a string, tool_choice named": "tools.0.function",
+    "a tool description of nested lists": "tools.0.function.description",
+    "tool parameters nested 120 deep": "tools.0.function.parameters",
+    "replayed arguments 200 deep": "messages.1.tool_calls.0.function.arguments",
+    "tool parameters nested 40 deep": "tools.0.function.parameters",
+    "replayed arguments text 40 deep": "messages.1.tool_calls.0.function.arguments",
+    "replayed arguments text [ x 1e5": "messages.1.tool_calls.0.function.arguments",
+    "replayed arguments text of a 5000-digit integer": "messages.1.tool_calls.0.function.arguments",
+    "replayed arguments text holding NaN": "messages.1.tool_calls.0.function.arguments",
+    "a schema maximum of 1e400": "response_format.json_schema.schema.maximum",
+    "a schema bound of a 5000-digit integer": "response_format.json_schema.schema.maximum",
+    "a schema const NaN": "response_format.json_schema.schema.properties.a.const",
+    "a schema enum holding Infinity": "response_format.json_schema.schema.properties.a.enum.1",
+    "NaN in a completion's seed": "seed",
+    "Infinity deep in a message": "messages.0.name",
+    "an image part in a system message": "messages.0.content",
+    "a canvas scored after a prompt id out of range": "prompt",
+}
+
 HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("100 MB body", CHAT, b'{"messages": [{"role": "user", "content": "' + b"a" * 100_000_000 + b'"}]}', (413,)),
     ("a million messages", CHAT, {"messages": [{"role": "user", "content": ""}] * 1_000_000}, (400, 413)),
@@ -171,6 +260,7 @@ HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("a tool message without tool support", CHAT, {"messages": [*USER, {"role": "tool", "content": "1"}]}, (400,)),
     ("seed below zero", CHAT, {"messages": USER, "seed": -1}, (400,)),
     ("an image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, (400,)),
+    *ISSUE_40,
 ]
 CRAFTED_PATH = '/v1/x"} 1\n# not a metric'  # sent URL-encoded: it must not become a label value
 

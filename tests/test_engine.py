@@ -218,3 +218,54 @@ def test_fast_batches_reuse_one_logits_buffer_and_release_it_when_idle(model):
         assert engine._logits.tensor is None
     finally:
         engine.close()
+
+
+def test_requests_whose_clients_left_while_they_waited_are_never_prefilled(model, monkeypatch):
+    """Issue 40: a waiting request that was cancelled, or whose deadline passed, is dropped before its prompt
+    is encoded, so the next client does not wait behind work nobody will read."""
+    engine = Engine(model, max_batch=1, max_queue=64)
+    encoded: list[int] = []
+    encode = engine.runner.encode
+
+    def counted(ids, *args, **kwargs):
+        encoded.append(ids.shape[-1])
+        return encode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "encode", counted)
+    try:
+        busy = EngineRequest([5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True)
+        engine.submit(busy)
+        assert isinstance(busy.events.get(timeout=WAIT), DraftEvent)  # it holds the one batch slot
+        left = [engine.submit(EngineRequest([6] * 40, dict(seed=1, max_new_tokens=8))) for _ in range(6)]
+        late = engine.submit(EngineRequest([7] * 41, dict(seed=2, max_new_tokens=8), timeout=0.0))
+        for request in left:
+            request.cancel()
+        after = engine.submit(EngineRequest([8] * 4, dict(seed=3, max_new_tokens=8, max_denoising_steps=2)))
+        assert not isinstance(collect(after), Exception) and isinstance(collect(late), RequestTimeout)
+        assert not isinstance(collect(busy), Exception)
+    finally:
+        engine.close()
+    assert 40 not in encoded and 41 not in encoded and 4 in encoded  # only the requests someone reads
+    assert engine.stats.requests_cancelled == 6
+
+
+def test_the_prefill_work_waiting_is_bounded(model):
+    """Prompt tokens waiting for their prefill are bounded: beyond `max_queued_tokens` a request is refused
+    at once (a 429 on the server); a longer request alone still runs."""
+    from dgemma.engine import QueueFull
+
+    engine = Engine(model, max_batch=1, max_queue=64, max_queued_tokens=100)
+    try:
+        busy = EngineRequest([5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True)
+        engine.submit(busy)
+        assert isinstance(busy.events.get(timeout=WAIT), DraftEvent)  # running: nothing waits yet
+        first = engine.submit(EngineRequest([6] * 60, dict(seed=1, max_new_tokens=8)))
+        with pytest.raises(QueueFull, match="prompt tokens"):
+            engine.submit(EngineRequest([6] * 41, dict(seed=1, max_new_tokens=8)))
+        second = engine.submit(EngineRequest([6] * 40, dict(seed=1, max_new_tokens=8)))
+        for request in (busy, first, second):
+            assert not isinstance(collect(request), Exception)
+        alone = engine.submit(EngineRequest([6] * 150, dict(seed=1, max_new_tokens=8)))  # nothing else waits
+        assert not isinstance(collect(alone), Exception)
+    finally:
+        engine.close()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hostile import HOSTILE, is_openai_error, replay  # noqa: E402
+from hostile import HOSTILE, PARAMS, is_openai_error, replay  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from live_server import KEY  # noqa: E402
 
@@ -64,6 +64,8 @@ def test_hostile_request_is_a_4xx(server, name, path, body, statuses):
         response.status_code,
         response.text[:300],
     )
+    if name in PARAMS:
+        assert (response.json()["error"]["param"] or "").startswith(PARAMS[name]), response.text[:300]
 
 
 def test_hostile_requests_under_concurrent_streams(server):

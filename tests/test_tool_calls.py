@@ -285,7 +285,10 @@ def test_a_conversation_with_tool_results_goes_on(client):
             },
             "tools.0.function.parameters",
         ),
-        ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools.0"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
+            "tools.0.function.name",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):

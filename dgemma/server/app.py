@@ -28,8 +28,14 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+try:
+    import fastapi_offline  # Swagger UI's files, for an offline /docs
+except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
+    fastapi_offline = None
 
 from ..editing import InfillPlan, canvas_logprobs, choose_middle, plan_infill
 from ..engine import Engine
@@ -97,7 +103,8 @@ def create_app(
     context = min(model_context, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     if not 0 < context <= model_context:
         raise ValueError(f"max_context must be in [1, {model_context}] (the model's context); got {context}")
-    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue)
+    limits = limits or Limits()
+    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, max_queued_tokens=limits.max_queued_tokens)
     semaphore = asyncio.Semaphore(TOKENIZE_AT_ONCE)
     served = _Served(runner.model, tokenizer, engine, model_name, request_timeout, semaphore, context)
 
@@ -106,7 +113,7 @@ def create_app(
         yield
         engine.close()
 
-    app = FastAPI(title="dgemma", version="1", docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="dgemma", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.engine = engine
     metrics = Metrics(engine)
     paths = frozenset()
@@ -117,9 +124,7 @@ def create_app(
             paths = frozenset(getattr(r, "path", "") for r in app.routes)
         return paths
 
-    app.add_middleware(
-        Guard, api_key=api_key, limits=limits or Limits(), check_host=check_host, routes=routes, count=metrics.count
-    )
+    app.add_middleware(Guard, api_key=api_key, limits=limits, check_host=check_host, routes=routes, count=metrics.count)
     _add_error_handlers(app)
     _add_info_routes(app, served, metrics)
     _add_generation_routes(app, served)
@@ -140,10 +145,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         messages = {
             404: f"there is no route {request.url.path}",
             405: f"{request.method} is not allowed on {request.url.path}",
-            400: "the request body could not be parsed: it must be a JSON object nested at most ~900 levels deep",
+            400: "the request body could not be parsed: it must be a JSON object",
         }
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind=kind))
+        message = messages.get(exc.status_code, str(exc.detail))
+        headers = dict(exc.headers or {})  # a 405's Allow
+        return _error_response(ApiError(exc.status_code, message, kind=kind, headers=headers))
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -169,23 +176,75 @@ def _validation_message(errors: list) -> ApiError:
 
 
 def _add_info_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None:
-    @app.get("/", response_class=HTMLResponse)
+    get = functools.partial(_get_and_head, app)
+
+    @get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse((STATIC / "playground.html").read_text())
 
-    @app.get("/health")
+    @get("/health")
     async def health():
         e = served.engine
         return {"status": "ok", "model": served.name, "active": e.active, "queued": e.queue_depth}
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "dgemma"}
+
+    @get("/v1/models")
     async def models():
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "dgemma"}
         return {"object": "list", "data": [card]}
+
+    @get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(served, model_id)
+        return card
+
+    _add_docs(app, get)
+
+
+def _get_and_head(app: FastAPI, path: str, **options):
+    """A GET route that answers HEAD too (load balancers probe with HEAD; the schema lists GET only)."""
+
+    def register(fn):
+        app.add_api_route(path, fn, methods=["GET"], **options)
+        options["include_in_schema"] = False
+        app.add_api_route(path, fn, methods=["HEAD"], **options)
+        return fn
+
+    return register
+
+
+def _add_docs(app: FastAPI, get) -> None:
+    """/docs: Swagger UI from files installed with the server (fastapi-offline's copy), not a CDN, so that
+    it works offline; without that package it is a 404 that says what to install."""
+    if fastapi_offline is None:
+
+        @get("/docs", include_in_schema=False)
+        async def no_docs():
+            raise ApiError(404, "/docs needs fastapi-offline: pip install 'dgemma[serve]'", kind="not_found_error")
+
+        return
+    files = Path(fastapi_offline.__file__).parent / "static"
+    assets = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon.png": "image/png"}
+
+    @get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="dgemma API",
+            swagger_js_url="/docs/swagger-ui-bundle.js",
+            swagger_css_url="/docs/swagger-ui.css",
+            swagger_favicon_url="/docs/favicon.png",
+        )
+
+    @get("/docs/{name}", include_in_schema=False)
+    async def docs_asset(name: str):
+        if name not in assets:
+            raise ApiError(404, f"there is no route /docs/{name}", kind="not_found_error")
+        return Response((files / name).read_bytes(), media_type=assets[name])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,11 +355,17 @@ async def _canvas_score(served: _Served, body: CanvasScoreRequest) -> dict:
     denoiser, and the top alternatives (a dgemma extension; vLLM's "read-only" read)."""
     _check_model(served, body.model)
     ids = {}
+    vocab = served.model.text_config.vocab_size
     for name in ("prompt", "canvas"):
         value = getattr(body, name)
         if isinstance(value, str):
             _check_chars(served, len(value), name)
             value = await _tokenize(served, served.tokenizer.encode, value, param=name, add_special_tokens=False)
+        bad = [t for t in value if not 0 <= t < vocab]
+        if not value:
+            raise ApiError(400, f"{name} has no tokens", name)
+        if bad:
+            raise ApiError(400, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
         ids[name] = value
     _budget(served, None, len(ids["prompt"]), "canvas", "prompt")
     k = body.top_logprobs
@@ -331,11 +396,12 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     for i, m in enumerate(body.messages):
         if (m.role == "tool" or m.tool_calls) and not takes_tools:
             raise ApiError(400, "this model's chat template has no tool support", f"messages.{i}")
-    messages = [_with_argument_objects(m.model_dump(exclude_none=True)) for m in body.messages]
-    chars = sum(len(m.text()) + len(json.dumps(m.tool_calls or [])) for m in body.messages)
-    _check_chars(served, chars + len(json.dumps(body.tools or [])), "messages")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+    calls = [d.get("tool_calls", []) for d in messages]
+    chars = sum(len(m.text()) for m in body.messages) + len(json.dumps(calls))
+    _check_chars(served, chars + len(json.dumps(tools or [])), "messages")
     thinking = True if body.reasoning else None
-    tools = body.tools if use_tools else None
     messages = await _decode_images(served, body, messages)
     budget = body.max_soft_tokens or DEFAULT_BUDGET
     prompt, pixels = await _tokenize(
@@ -355,7 +421,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
             raise ApiError(400, "choices: options are scored on text prompts (leave out the images)", "choices")
         choices, pieces = await _chosen(served, body, [prompt], requested, param)
     elif body.forced_call:
-        choices, pieces = await _call_run(served, body, http, prompt, pixels)
+        choices, pieces = await _call_run(served, body, http, prompt, pixels, tools)
     else:
         choices, pieces = await _chat_run(served, body, http, prompt, pixels)
     if body.stream:
@@ -453,7 +519,9 @@ async def _chat_run(
     return choices, runs.run(choices, served.decode, http.is_disconnected, finish=finish)
 
 
-async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels):
+async def _call_run(
+    served: _Served, body: ChatCompletionRequest, http: Request, prompt: list[int], pixels, tools: list[dict]
+):
     """tool_choice "required" or a named function: each choice is a call of the function, its arguments
     filled under the function's parameters schema (server/structured.py), read back and validated."""
     for name in ("reasoning", "logprobs", "stop"):
@@ -464,7 +532,7 @@ async def _call_run(served: _Served, body: ChatCompletionRequest, http: Request,
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
     if named is None and len(body.tools) > 1 and pixels is not None:
         raise ApiError(400, "tool_choice: with images, name the function to call", "tool_choice")
-    name, plan = await call_plan(served.engine, served.tokenizer, served.model, prompt, body.tools, named)
+    name, plan = await call_plan(served.engine, served.tokenizer, served.model, prompt, tools, named)
     if plan.fixed:  # a function without arguments: nothing to generate
         return given_answers(served.tokenizer, [call_text(name, {})] * body.n)
     requested, param = body.requested_tokens
@@ -490,21 +558,6 @@ async def _chosen(served: _Served, body, prompts: list[list[int]], requested: in
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-
-
-def _with_argument_objects(message: dict) -> dict:
-    """An assistant message's tool-call arguments (OpenAI sends JSON text) as objects, so that the chat
-    template writes them in the model's call syntax; text that is not a JSON object stays as it is."""
-    for call in message.get("tool_calls") or []:
-        function = call.get("function")
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                value = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                function["arguments"] = value
-    return message
 
 
 async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:

@@ -59,6 +59,7 @@ class Choice:
     row: int = 0  # the row of the request's result that is this choice's output (an infill's chosen length)
     details: dict = field(default_factory=dict)  # what the answer says of this choice in its `dgemma` block
     answer: str | None = None  # the text to send, when a finish writes it (a JSON answer) rather than decoding
+    finish_reason: str | None = None  # set by a finish that knows (a whole JSON answer: "stop")
     logprobs: tuple[list[float], list] | None = None  # with logprobs: per output token, and its alternatives
 
 
@@ -211,7 +212,8 @@ def _on_event(choice: Choice, event, decode) -> list[Piece]:
         choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[choice.row], 3)
     if done or choice.text.stopped:
         choice.ended = True
-        reason = "stop" if choice.text.stopped else event.result.finish_reasons[choice.row]
+        given = "stop" if choice.text.stopped else choice.finish_reason  # a stop string, or the finish's word
+        reason = given or event.result.finish_reasons[choice.row]
         pieces.append(Piece(choice.index, "end", finish_reason=reason))
     return pieces
 

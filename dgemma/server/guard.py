@@ -5,8 +5,9 @@ BaseHTTPMiddleware, which hides a client's disconnect from the routes):
   would otherwise reach it as `attacker.example`);
 - the API key, compared in constant time; `/` (a static page) and `/health` stay open, everything else
   (`/v1/...`, `/metrics`, `/docs`, `/openapi.json`) needs it;
-- the body: at most `max_body_bytes` (413), read within `body_timeout` seconds (408), valid UTF-8 (400);
-  it is read here once and handed on, so nothing after this can be made to buffer more;
+- the body: at most `max_body_bytes` (413), read within `body_timeout` seconds (408), valid UTF-8 (400),
+  and, where it is JSON, every number finite and nesting bounded (400 naming the value's path:
+  json_values.py); it is read here once and handed on, so nothing after this can be made to buffer more;
 - the count of answers by route template and status, for /metrics; and an OpenAI-shaped 500 if a route
   ever raises.
 """
@@ -17,7 +18,9 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 
+from ..json_values import check_body
 from .limits import Limits
 from .protocol import ApiError
 
@@ -35,11 +38,20 @@ async def send_error(send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _host_name(host: str) -> str:
-    """`127.0.0.1:8000` -> `127.0.0.1`, `[::1]:8000` -> `[::1]`."""
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:/@\s]+)(:[0-9]{1,5})?")
+
+
+def _host_name(host: str) -> str | None:
+    """`127.0.0.1:8000` -> `127.0.0.1`, `[::1]:8000` -> `[::1]`; None for anything that is not a host and
+    an optional port (`[::1]evil.example`, `a:b:c`, an empty header)."""
+    match = _HOST.fullmatch(host)
+    return match.group(1).lower() if match else None
+
+
+def _bearer(header: bytes) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` header; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = header.partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" and token.strip(b" ") else None
 
 
 class Guard:
@@ -47,7 +59,7 @@ class Guard:
 
     def __init__(self, app, *, api_key: str | None, limits: Limits, check_host: bool, routes, count):
         self.app, self.limits, self.check_host, self.count = app, limits, check_host, count
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.routes = routes  # () -> the set of route paths (label values are these or "other")
 
     async def __call__(self, scope, receive, send):
@@ -90,7 +102,8 @@ class Guard:
                     code="host_not_allowed",
                 )
         authorized = not self.expected or scope.get("path") in OPEN_PATHS
-        if not authorized and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        token = _bearer(headers.get(b"authorization", b""))
+        if not authorized and not hmac.compare_digest(token or b"", self.expected):
             return ApiError(
                 401,
                 "a valid API key is required (Authorization: Bearer KEY)",
@@ -126,6 +139,9 @@ class Guard:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
             return b"", ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})")
+        refused = check_body(body) if body else None
+        if refused is not None:
+            return b"", ApiError(400, str(refused), refused.path or None)
         return body, None
 
 

@@ -16,3 +16,7 @@ class Limits:
     header_timeout: float = field(
         default=10.0, metadata={"help": "seconds a client has to send its headers (the connection closes after)"}
     )
+    max_queued_tokens: int = field(
+        default=65536,
+        metadata={"help": "prompt tokens waiting for their prefill, 429 above (one longer request may wait alone)"},
+    )

@@ -19,7 +19,9 @@ from pydantic_core import PydanticCustomError
 
 from ..generate import MAX_LOGPROBS
 from ..images import SOFT_TOKEN_BUDGETS
+from ..json_values import MAX_VALUE_DEPTH, JsonRefused, first_problem, loads
 from ..settings import SETTINGS, SamplingParams
+from ..tool_calls import FUNCTION_NAME
 
 MAX_N = 8  # choices per request (each one is a row of the engine's batch)
 MAX_MESSAGES = 2048
@@ -30,8 +32,10 @@ MAX_TOOLS = 128
 MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
 MAX_OPTIONS = 64  # `choices`: options of one request
 MAX_OPTION_CHARS = 1024
-MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, as JSON text
-MAX_SCHEMA_DEPTH = 32  # nesting of a schema's objects and lists (the compiler refuses deeper values itself)
+MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, or a tool's parameters, as JSON text
+MAX_SCHEMA_DEPTH = MAX_VALUE_DEPTH  # nesting of a schema, a tool's parameters or a call's arguments
+MAX_DESCRIPTION_CHARS = 8192  # a tool's description
+MAX_ARGUMENTS_CHARS = 32768  # a replayed tool call's arguments, as JSON text
 IMAGE_BUDGETS = Literal[SOFT_TOKEN_BUDGETS]  # the five budgets, as a request field's type
 
 
@@ -85,7 +89,6 @@ def _valid_unicode(value: Any) -> Any:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
 
 
 def setting_field(name: str) -> Any:
@@ -104,7 +107,92 @@ _NO_OP_VALUES: dict[str, tuple] = {
     "reasoning_effort": (),
     "functions": ([],),
     "function_call": ("none",),
+    "store": (False,),  # nothing is stored
+    "metadata": ({},),  # (what OpenAI keeps with stored answers)
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
 }
+
+
+class _Body(BaseModel):
+    """A part of a request: unknown fields are refused, and `null` for a field means "not sent" (OpenAI's
+    spec makes most fields nullable: `"n": null` is n's default)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {k: v for k, v in data.items() if v is not None or k not in known}
+
+
+def _bounded_json(value: dict) -> dict:
+    """A free-form JSON value (a schema, a tool's parameters): finite numbers, bounded nesting and size."""
+    problem = first_problem(value, MAX_SCHEMA_DEPTH)
+    if problem is not None:
+        where, what = problem
+        raise ValueError(f"{where}: {what}" if where else what)
+    if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"is longer than {MAX_SCHEMA_CHARS} characters of JSON")
+    return value
+
+
+Schema = Annotated[dict[str, Any], AfterValidator(_valid_unicode), AfterValidator(_bounded_json)]
+FunctionName = Annotated[str, Field(min_length=1, max_length=128, pattern=f"^{FUNCTION_NAME}$")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tools
+
+
+class FunctionDefinition(_Body):
+    """tools[].function: a function the model may call, its arguments described by a JSON schema."""
+
+    name: FunctionName
+    description: Text | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: Schema | None = None
+    strict: bool | None = None  # calls follow `parameters` by construction when they are forced
+
+
+class Tool(_Body):
+    """One entry of `tools`: {"type": "function", "function": {...}}."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(_Body):
+    """A replayed call's function: its name and arguments (OpenAI sends JSON text; an object is taken too).
+    Arguments that are a JSON object become that object, so the chat template writes them in the model's
+    call syntax; other text stays as it is."""
+
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENTS_CHARS)] | Schema = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _as_object(cls, value: str | dict) -> str | dict:
+        if isinstance(value, dict):
+            return value
+        _valid_unicode(value)
+        try:
+            parsed = loads(value, MAX_SCHEMA_DEPTH)
+        except JsonRefused as e:
+            raise ValueError(f"the JSON text {e.reason}" + (f" (at {e.path})" if e.path else "")) from None
+        except ValueError:  # not JSON: the template writes it as it is
+            return value
+        return parsed if isinstance(parsed, dict) else value
+
+
+class ToolCall(_Body):
+    """An assistant message's tool_calls[] entry, as an OpenAI response carries it back."""
+
+    id: Text | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,13 +219,14 @@ def _image_part(i: int, part: dict) -> None:
         raise ValueError(f"part {i}: detail must be 'auto' (set the image's soft tokens with max_soft_tokens)")
 
 
-class Message(BaseModel):
-    """One chat message; `content` is a string or a list of parts: text, and images as data: URLs."""
+class Message(_Body):
+    """One chat message; `content` is a string or a list of parts: text (any role), and images as data:
+    URLs (user messages). Parts of the other roles reach the template as their text (dgemma.tokenizer)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: Text | None = Field(default=None, max_length=256)
-    tool_calls: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: Text | None = Field(default=None, max_length=256)
     reasoning_content: Text | None = None
     # what an OpenAI response message carries back when a client replays it; only their empty values
@@ -145,17 +234,19 @@ class Message(BaseModel):
     audio: None = None
     function_call: None = None
     annotations: list[None] | None = Field(default=None, max_length=0)
-    model_config = ConfigDict(extra="forbid")
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> Any:
+    def _content(cls, value: Any, info) -> Any:
         if value is None or isinstance(value, str):
             return _valid_unicode(value)
         if not isinstance(value, list):
             raise ValueError("must be a string, a list of content parts, or null")
+        role = info.data.get("role")
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and role != "user":
+                raise ValueError(f"part {i} is an image; only user messages hold images (a {role} message: text)")
             if kind == "image_url":
                 _image_part(i, part)
                 continue
@@ -178,43 +269,20 @@ class Message(BaseModel):
         return [(j, p["image_url"]["url"]) for j, p in enumerate(parts) if p.get("type") == "image_url"]
 
 
-def _depth(value: Any) -> int:
-    """How deeply lists and dicts nest in `value` (iteratively: a hostile depth cannot recurse)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, d = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, d)
-            if d <= MAX_SCHEMA_DEPTH:
-                stack.extend((x, d + 1) for x in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Body):
     """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: Text | None = Field(default=None, max_length=4096)
-    schema_: JsonObject = Field(alias="schema")
+    schema_: Schema = Field(alias="schema")
     strict: bool | None = None  # answers follow the schema by construction either way
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    @field_validator("schema_")
-    @classmethod
-    def _bounded(cls, value: dict) -> dict:
-        if _depth(value) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"is longer than {MAX_SCHEMA_CHARS} characters of JSON")
-        return value
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
-    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> ResponseFormat:
@@ -223,25 +291,22 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Body):
     name: Text = Field(min_length=1, max_length=256)
-    model_config = ConfigDict(extra="forbid")
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Body):
     """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
 
     type: Literal["function"]
     function: NamedFunction
-    model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     include_usage: bool = False
-    model_config = ConfigDict(extra="forbid")
 
 
-class DiffusionSettings(BaseModel):
+class DiffusionSettings(_Body):
     """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
 
     model: Text | None = Field(default=None, max_length=256)
@@ -379,13 +444,17 @@ class ChatCompletionRequest(DiffusionSettings):
     logprobs: bool | None = None  # each answer token's log-probability (the denoiser's, at its last step)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # ... and this many alternatives
     max_soft_tokens: IMAGE_BUDGETS | None = None  # extension: soft tokens an image may take (default 280)
-    tools: list[JsonObject] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     # "required" or a named function: the answer is a call, made by construction (server/structured.py)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Any = None
     functions: Any = None
     function_call: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    modalities: Any = None
 
     @model_validator(mode="after")
     def _images(self) -> ChatCompletionRequest:
@@ -407,7 +476,7 @@ class ChatCompletionRequest(DiffusionSettings):
         if self.forced_call and not self.tools:
             raise PydanticCustomError("tool_choice", "tool_choice: needs tools to call", {"name": "tool_choice"})
         if isinstance(self.tool_choice, NamedToolChoice):
-            names = [(t.get("function") or {}).get("name") for t in self.tools]
+            names = [t.function.name for t in self.tools]
             if self.tool_choice.function.name not in names:
                 raise PydanticCustomError(
                     "tool_choice", "tool_choice: names a function that is not in tools", {"name": "tool_choice"}
@@ -480,11 +549,10 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class CanvasScoreRequest(BaseModel):
+class CanvasScoreRequest(_Body):
     """POST /v1/canvas/score: a read-only denoising pass over a given canvas (dgemma.editing.canvas_logprobs)."""
 
     model: Text | None = Field(default=None, max_length=256)
     prompt: Text | list[int] = Field(min_length=1)
     canvas: Text | list[int] = Field(min_length=1)
     top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    model_config = ConfigDict(extra="forbid")

@@ -77,8 +77,8 @@ def json_finish(
             tokens = result.tokens[0]
             read = engine.call(lambda runner, tokens=tokens: plan.read(runner, prompt, tokens))
             value, error = await asyncio.wrap_future(read)
-            if error is None:
-                choice.answer = write(value)
+            if error is None:  # whole and valid: the answer ended itself, whatever length its template had
+                choice.answer, choice.finish_reason = write(value), "stop"
                 choice.details = {"json_attempts": attempt + 1}
                 return tokenizer.encode(choice.answer, add_special_tokens=False), 0
             errors.append(error)
