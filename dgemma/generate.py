@@ -385,6 +385,7 @@ class _Loop:
             self.embedding,
             self.embed_scale,
             self.runner.canvas_stats,
+            self.p.greedy,
         )
         if lse is not None:
             drafted = logits.gather(-1, t.argmax[..., None]).squeeze(-1) * self.temperatures[step]

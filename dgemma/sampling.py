@@ -373,13 +373,15 @@ def fast_transition(
     embedding: torch.Tensor | None = None,
     embed_scale: torch.Tensor | None = None,
     stats: Callable[..., CanvasStats] = canvas_stats,
+    greedy: bool = False,
 ) -> Transition:
     """The same distribution as `reference_transition` for the entropy-bound sampler, computed with
     [chunk, V] temporaries, drawing only at accepted positions. Pinned positions keep their values.
-    `stats` computes the statistics: `canvas_stats`, or a runner's compiled version of it."""
+    `stats` computes the statistics: `canvas_stats`, or a runner's compiled version of it. With `greedy`,
+    accepted positions take their argmax instead of a draw (which positions are accepted is unchanged)."""
     stats = stats(logits, embedding, embed_scale)
     accept = sampler.accept(stats, step_index, ~pinned)
-    drawn = draw(logits, accept, generator)
+    drawn = stats.argmax if greedy else draw(logits, accept, generator)
     noise = random_tokens(drawn.shape, logits.shape[-1], logits.device, generator)
     tokens = torch.where(pinned, pin_values, torch.where(accept, drawn, noise))
     argmax = torch.where(pinned, pin_values, stats.argmax)

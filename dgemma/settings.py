@@ -79,6 +79,9 @@ class SamplingParams:
         "fast", "fast: same distribution, less work; exact: transformers' token ids", choices=MODES, kind=str
     )
     seed: int | None = _setting(None, "random seed (None: a fresh one)", low=0, high=2**63 - 1, kind=int)
+    greedy: bool = _setting(
+        False, "accepted positions take their most likely token, not a draw (what temperature 0 asks)", kind=bool
+    )
     early_commit: bool = _setting(False, "stream and freeze a canvas's leading tokens once they settle", kind=bool)
     early_commit_steps: int = _setting(
         3, "early commit: after this many steps with the same argmax", low=1, high=1024, kind=int
@@ -98,10 +101,10 @@ class SamplingParams:
             eos = defaults.eos_token_id
             p.stop_token_ids = eos_fallback if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         errors = validate(dataclasses.asdict(p))
-        if p.mode == "exact" and (p.sampler != "entropy-bound" or p.early_commit):
+        if p.mode == "exact" and (p.sampler != "entropy-bound" or p.early_commit or p.greedy):
             errors.append(
-                "mode 'exact' reproduces transformers' generate: it has the entropy-bound sampler only "
-                "and no early commit"
+                "mode 'exact' reproduces transformers' generate: it has the entropy-bound sampler only, "
+                "no early commit and no greedy draws"
             )
         if errors:
             raise ValueError("invalid sampling parameters: " + "; ".join(errors))

@@ -137,6 +137,22 @@ def test_fast_transition_has_the_reference_law():
     assert 0.5 * (_marginals(hot.tokens, v) - law).abs().sum(-1).max() > 0.05
 
 
+def test_a_greedy_transition_takes_the_argmax_where_it_accepts():
+    """greedy (the server's temperature 0): the same positions accepted as a drawing step, each holding its
+    argmax; the rest renoised as ever."""
+    logits = _logits(b=64, c=5, v=6, scale=1.5, seed=4)
+    pinned = torch.zeros(64, 5, dtype=torch.bool)
+    canvas = torch.zeros(64, 5, dtype=torch.long)
+    drawn = fast_transition(logits, EntropyBound(0.8), 1, pinned, canvas, torch.Generator().manual_seed(0))
+    greedy = fast_transition(
+        logits, EntropyBound(0.8), 1, pinned, canvas, torch.Generator().manual_seed(0), greedy=True
+    )
+    assert torch.equal(greedy.accepted, drawn.accepted) and 0 < int(greedy.accepted.sum()) < greedy.accepted.numel()
+    argmax = logits.argmax(-1)
+    assert torch.equal(greedy.tokens[greedy.accepted], argmax[greedy.accepted])
+    assert not torch.equal(drawn.tokens[drawn.accepted], argmax[drawn.accepted])  # a draw is not the argmax
+
+
 def test_draw_only_where_asked_and_from_softmax():
     v, n = 5, 30_000
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).expand(n, v).reshape(n, 1, v).contiguous()

@@ -186,3 +186,14 @@ def test_the_library_renders_parts_as_text_too(model_dir):
     assert tok.render_chat(parts) == tok.render_chat([{"role": "system", "content": "A\nB"}, *_user()])
     with pytest.raises(ValueError, match="text parts only"):
         tok.render_chat([{"role": "system", "content": [{"type": "image", "image": None}]}, *_user()])
+
+
+def test_temperature_zero_is_greedy_and_repeatable(server):
+    """temperature 0: the argmax at each accepted position, from seed 0 unless a seed is given, so the same
+    request gives the same answer (a canvas starts from random tokens); other temperatures still draw."""
+    body = {"messages": _user(), "max_tokens": 12, "temperature": 0, **FAST}
+    texts = [_post(server, CHAT, body).json()["choices"][0]["message"]["content"] for _ in range(2)]
+    same = _post(server, CHAT, {**body, "temperature": None, "greedy": True, "seed": 0}).json()
+    assert texts[0] == texts[1] == same["choices"][0]["message"]["content"]
+    exact = _post(server, CHAT, {**body, "mode": "exact"})
+    assert exact.status_code == 400 and "greedy" in exact.json()["error"]["message"]

@@ -313,6 +313,7 @@ class DiffusionSettings(_Body):
     max_tokens: int | None = setting_field("max_new_tokens")  # OpenAI's name for it
     stop: Any = None  # a string or a list of them
     seed: int | None = setting_field("seed")
+    greedy: bool | None = Field(default=None, description=SETTINGS["greedy"]["help"])
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -416,15 +417,21 @@ class DiffusionSettings(_Body):
         """The SamplingParams this request asks for (validated later, with the model's defaults)."""
         passed = (f.name for f in dataclasses.fields(SamplingParams) if f.name in _PASSED_THROUGH)
         fields = {name: getattr(self, name) for name in passed if getattr(self, name) is not None}
-        if self.temperature is not None and self.t_min is None and self.t_max is None:
+        seed = self.seed
+        if self.temperature == 0:
+            # Greedy, as clients expect of 0: the argmax at each accepted position, the checkpoint's own
+            # schedule for which positions a step accepts, and seed 0 unless one is given (a canvas starts
+            # from random tokens), so that the same request gives the same answer.
+            fields["greedy"] = True
+            seed = 0 if seed is None else seed
+        elif self.temperature is not None and self.t_min is None and self.t_max is None:
             # One OpenAI temperature becomes the schedule's start, ending at half of it (the defaults' ratio).
-            top = max(self.temperature, 0.02)
-            fields["t_max"], fields["t_min"] = top, top / 2
+            fields["t_max"], fields["t_min"] = self.temperature, self.temperature / 2
         early = self.stream if self.early_commit is None else self.early_commit
         fields["early_commit"] = early and fields.get("mode") != "exact"
         if self.ignore_eos:
             fields["stop_token_ids"] = []
-        return SamplingParams(max_new_tokens=max_tokens, seed=self.seed, **fields)
+        return SamplingParams(max_new_tokens=max_tokens, seed=seed, **fields)
 
 
 # the fields that apply with `choices`
