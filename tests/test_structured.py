@@ -152,6 +152,9 @@ def test_a_schema_no_answer_can_meet_fails_clearly_after_its_retries(code):
         ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties"),
         ({"type": "integer", "minimum": "3"}, "not a valid JSON schema"),
         ({"const": 3}, "nothing to generate"),
+        ({"type": "object", "properties": {"a": {"const": float("nan")}}}, r"schema.properties.a.const: 'nan'"),
+        ({"type": "object", "properties": {"a": {"enum": [1, float("inf")]}}}, r"schema.properties.a.enum.1"),
+        ({"type": "number", "maximum": float("inf")}, "schema.maximum: 'inf' is not a finite number"),
     ],
 )
 def test_unsupported_or_invalid_schemas_are_refused_by_name(code, schema, message):

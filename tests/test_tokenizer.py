@@ -150,3 +150,24 @@ def test_encode_refuses_text_that_is_not_valid_unicode(text, message):
     with pytest.raises(ValueError, match="not valid Unicode"):  # chat messages go through encode too
         tok.apply_chat_template([{"role": "user", "content": text}])
     assert tok.decode(tok.encode("Ünïcödé ✓ 🚀 \U0010ffff")) == "Ünïcödé ✓ 🚀 \U0010ffff"  # astral characters are fine
+
+
+def test_template_errors_from_values_of_the_wrong_shape_are_value_errors():
+    """A tool or a call whose values the template cannot take (a name that is not a string, a function
+    that is not an object, nesting past the recursion limit) is a ValueError, as a template error is."""
+    tok = make_tokenizer(vocab_size=400)  # the shipped Gemma 4-style template, tools and all
+    user = [{"role": "user", "content": "x"}]
+    deep: object = "leaf"
+    for _ in range(2000):
+        deep = [deep]
+    bad_tools = [
+        [{"function": {"name": 5}}],
+        [{"type": "function", "function": "f"}],
+        [{"name": "f", "description": deep}],
+    ]
+    for tools in bad_tools:
+        with pytest.raises(ValueError, match="chat template"):
+            tok.render_chat(user, tools=tools)
+    call = {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": ["f"], "arguments": {}}}]}
+    with pytest.raises(ValueError, match="chat template"):
+        tok.render_chat([*user, call])
