@@ -8,6 +8,9 @@ before and after (VmHWM: it must stay bounded, not grow with what clients send).
 Without --model it serves a random-weight `tiny` model (benchmarks/serve_load.py's), so the figures
 measure the serving machinery. Prints a table and ends with one JSON line.
 
+Then it replays bursts that cost memory or time rather than an error: clients that hang up while their
+long prompts wait (the next short request's latency against the idle server's).
+
     python benchmarks/serve_hostile.py [--model DIR] [--clients 32] [--rounds 2]
 """
 
@@ -98,6 +101,70 @@ async def _run(url: str, clients: int, rounds: int) -> dict:
     return {"statuses": statuses, "streams": streams, "openai_shaped": shapes, "wall_s": wall, "health": worst[0]}
 
 
+def _rss_mb(server: Server) -> float:
+    """The server's resident memory now (VmRSS), in MB."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _latency(url: str) -> float:
+    """Seconds one short chat request takes (4 tokens, 2 steps): what the next client waits."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_denoising_steps": 2}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        t0 = time.perf_counter()
+        (await client.post("/v1/chat/completions", json=body)).raise_for_status()
+        return time.perf_counter() - t0
+
+
+async def cancelled_prefill_burst(server: Server, requests: int = 64, words: int = 900) -> dict:
+    """`requests` clients each send a chat request of ~`words` prompt tokens and hang up after 0.3 s, while
+    most of them still wait in the queue; then one client sends a 4-token request. Its latency, against the
+    same request on the idle server, says whether work nobody will read still ran first (issue 40: 4.9 s
+    against 0.05 s, before waiting requests of clients that left were dropped unprefilled)."""
+    idle = min([await _latency(server.url) for _ in range(3)])
+    body = {"messages": [{"role": "user", "content": "w " * words}], "max_tokens": 64, "max_denoising_steps": 8}
+
+    async def leave(client: httpx.AsyncClient) -> str:
+        try:
+            r = await client.post("/v1/chat/completions", json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            return "left"
+        return str(r.status_code)
+
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        outcomes = Counter(await asyncio.gather(*(leave(client) for _ in range(requests))))
+    after = await _latency(server.url)
+    metrics = httpx.get(server.url + "/metrics").text
+    cancelled = next(
+        (
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("dgemma_requests_cancelled") and "_created" not in line
+        ),
+        float("nan"),
+    )
+    return {
+        "requests": requests,
+        "prompt_words": words,
+        "outcomes": dict(outcomes),
+        "idle_latency_s": round(idle, 3),
+        "next_latency_s": round(after, 3),
+        "engine_cancelled": cancelled,
+    }
+
+
+def _print_cancelled(burst: dict) -> None:
+    print("\ncancelled-prefill burst: clients that hang up while their long prompts wait, then one short request\n")
+    print("| requests (prompt words) | outcomes | short request idle (s) | short request after the burst (s) |")
+    print("|---|---|---:|---:|")
+    print(
+        f"| {burst['requests']} ({burst['prompt_words']}) | {burst['outcomes']} | {burst['idle_latency_s']:.3f} | "
+        f"{burst['next_latency_s']:.3f} |"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="model directory (default: a random-weight tiny model)")
@@ -116,6 +183,7 @@ def main() -> int:
                 raise
             after = server.peak_rss_mb()
             metrics = httpx.get(server.url + "/metrics").text
+            cancelled = asyncio.run(cancelled_prefill_burst(server))
     from prometheus_client.parser import text_string_to_metric_families
 
     metric_names = len(list(text_string_to_metric_families(metrics)))  # raises if the page does not parse
@@ -136,6 +204,7 @@ def main() -> int:
         f"{st['done']} / {st['left']} / {other} | {result['health']:.2f} | {before:.0f} -> {after:.0f} | "
         f"{metric_names} families, {len(metrics)} bytes |"
     )
+    _print_cancelled(cancelled)
     ok = s[500] == 0 and other == 0 and result["openai_shaped"][False] == 0
     summary = {
         "benchmark": "serve_hostile",
@@ -151,6 +220,7 @@ def main() -> int:
         "peak_rss_mb_after": round(after),
         "metrics_bytes": len(metrics),
         "wall_s": round(result["wall_s"], 1),
+        "cancelled_prefill_burst": cancelled,
         "ok": ok,
     }
     print(json.dumps(summary))
