@@ -3,15 +3,17 @@
     image (a path, bytes, or a PIL image)
       -> decoded, its decoded size capped (MAX_IMAGE_PIXELS), EXIF orientation applied (paths and bytes)
       -> RGB: transparency composited onto white, every other mode (L, P, CMYK, I;16, ...) converted
-      -> resized (bicubic) to the largest H' x W' of whole 48-pixel cells with (H'/16)(W'/16) <= 9 x budget,
-         aspect ratio kept, up or down
-      -> / 255 (in float64, then float32), cut into 16 x 16 patches (row-major; inside a patch: row, column,
-         channel), each with its (column, row); padded to 9 x budget rows with zeros and (-1, -1)
+      -> resized (bicubic) to the largest H' x W' of whole cells (k x p pixels) with (H'/p)(W'/p) <= k^2 x
+         budget, aspect ratio kept, up or down
+      -> / 255 (in float64, then float32), cut into p x p patches (row-major; inside a patch: row, column,
+         channel), each with its (column, row); padded to k^2 x budget rows with zeros and (-1, -1)
 
-This is what transformers' `Gemma4ImageProcessorPil` computes, value for value (tests/test_images.py).
-Its torchvision backend resizes with another bicubic kernel (and rescales in float32), so its pixels differ
-from these by up to 2 levels on CPU (benchmarks/resize_backends.py measures it). `budget` is the most soft
-tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
+p is the tower's `patch_size` and k its `pooling_kernel_size` (vision_config; 16 and 3 in Gemma 4, so cells
+of 48 pixels and 9 patches per soft token): chat_prompt and text_prompt read them from the checkpoint's
+config, preprocess takes them as keywords. This is what transformers' `Gemma4ImageProcessorPil` computes,
+value for value (tests/test_images.py). Its torchvision backend resizes with another bicubic kernel (and
+rescales in float32), so its pixels differ from these by up to 2 levels on CPU (benchmarks/resize_backends.py
+measures it). `budget` is the most soft tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 GEMMA4_IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # begin of image, placeholder, end of image
 DEFAULT_BUDGET = 280
 MAX_IMAGE_PIXELS = 50_000_000  # decoded pixels an image may have (a decompression bomb is refused first)
-PATCH, KERNEL = 16, 3
+PATCH, KERNEL = 16, 3  # patch_size and pooling_kernel_size where no vision_config says otherwise
 
 
 def _pil():
@@ -96,10 +98,20 @@ def check_budget(budget: int) -> int:
     return budget
 
 
-def target_size(height: int, width: int, budget: int) -> tuple[int, int]:
-    """The resized (height, width): whole cells of 48 pixels, at most 9 x budget patches, aspect kept."""
-    cell, max_patches = PATCH * KERNEL, budget * KERNEL**2
-    factor = math.sqrt(max_patches * PATCH**2 / (height * width))
+def geometry(config) -> dict[str, int]:
+    """A checkpoint's patch_size and pooling_kernel_size (its vision_config; Gemma 4's 16 and 3 where it has
+    none), as the keywords of preprocess and count_soft_tokens."""
+    vision = getattr(config, "vision_config", None) or {}
+    get = vision.get if isinstance(vision, dict) else lambda name, default: getattr(vision, name, default)
+    return {"patch_size": get("patch_size", PATCH), "pooling_kernel_size": get("pooling_kernel_size", KERNEL)}
+
+
+def target_size(
+    height: int, width: int, budget: int, patch_size: int = PATCH, pooling_kernel_size: int = KERNEL
+) -> tuple[int, int]:
+    """The resized (height, width): whole cells of k x p pixels, at most k^2 x budget patches, aspect kept."""
+    cell, max_patches = patch_size * pooling_kernel_size, budget * pooling_kernel_size**2
+    factor = math.sqrt(max_patches * patch_size**2 / (height * width))
     h, w = math.floor(factor * height / cell) * cell, math.floor(factor * width / cell) * cell
     longest = budget * cell  # a one-cell-wide strip holds at most `budget` cells
     if h == 0 and w == 0:
@@ -111,44 +123,56 @@ def target_size(height: int, width: int, budget: int) -> tuple[int, int]:
     return h, w
 
 
-def patchify(image) -> tuple[torch.Tensor, torch.Tensor]:
-    """An RGB PIL image of whole patches -> patches [P, 16*16*3] in [0, 1] and their (x, y) [P, 2]."""
+def patchify(image, patch_size: int = PATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RGB PIL image of whole patches -> patches [P, p*p*3] in [0, 1] and their (x, y) [P, 2]."""
     w, h = image.size
     raw = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
     pixels = (raw.double() * (1 / 255)).float()  # float64 then float32, as numpy does it there
-    ph, pw = h // PATCH, w // PATCH
-    patches = pixels.view(ph, PATCH, pw, PATCH, 3).permute(0, 2, 1, 3, 4).reshape(ph * pw, -1)
+    p = patch_size
+    ph, pw = h // p, w // p
+    patches = pixels.view(ph, p, pw, p, 3).permute(0, 2, 1, 3, 4).reshape(ph * pw, -1)
     ys, xs = torch.meshgrid(torch.arange(ph), torch.arange(pw), indexing="ij")
     return patches, torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
 
 
-def count_soft_tokens(source, budget: int = DEFAULT_BUDGET) -> int:
+def count_soft_tokens(
+    source, budget: int = DEFAULT_BUDGET, *, patch_size: int = PATCH, pooling_kernel_size: int = KERNEL
+) -> int:
     """The soft tokens an image takes at `budget` (its placeholders), from its size alone."""
     image = open_image(source)
-    th, tw = target_size(image.size[1], image.size[0], budget)
-    return (th // PATCH) * (tw // PATCH) // KERNEL**2
+    th, tw = target_size(image.size[1], image.size[0], budget, patch_size, pooling_kernel_size)
+    return (th // patch_size) * (tw // patch_size) // pooling_kernel_size**2
 
 
-def preprocess(images: Sequence, budget: int = DEFAULT_BUDGET, what: str = "image") -> tuple[Pixels, list[int]]:
+def preprocess(
+    images: Sequence,
+    budget: int = DEFAULT_BUDGET,
+    what: str = "image",
+    *,
+    patch_size: int = PATCH,
+    pooling_kernel_size: int = KERNEL,
+) -> tuple[Pixels, list[int]]:
     """Images (paths, bytes or PIL images) -> the tower's Pixels and each image's soft-token count (the
-    number of placeholders its prompt needs). Errors name `what` and the image's index."""
+    number of placeholders its prompt needs), cut for a tower of `patch_size` and `pooling_kernel_size`
+    (geometry(config) gives a checkpoint's). Errors name `what` and the image's index."""
     Image, _ = _pil()
     check_budget(budget)
-    rows = budget * KERNEL**2
-    values = torch.zeros(len(images), rows, 3 * PATCH**2)
+    pool = pooling_kernel_size**2
+    rows = budget * pool
+    values = torch.zeros(len(images), rows, 3 * patch_size**2)
     positions = torch.full((len(images), rows, 2), -1, dtype=torch.long)
     counts = []
     for i, source in enumerate(images):
         name = f"{what} {i}" if len(images) > 1 else what
         image = to_rgb(open_image(source, name))
         w, h = image.size
-        th, tw = target_size(h, w, budget)
+        th, tw = target_size(h, w, budget, patch_size, pooling_kernel_size)
         if (th, tw) != (h, w):
             image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
-        patches, xy = patchify(image)
+        patches, xy = patchify(image, patch_size)
         values[i, : len(patches)] = patches
         positions[i, : len(patches)] = xy
-        counts.append(len(patches) // KERNEL**2)
+        counts.append(len(patches) // pool)
     return Pixels(values, positions), counts
 
 
@@ -180,8 +204,9 @@ def expand_image_tokens(text: str, counts: list[int], tokens: tuple[str, str, st
 def text_prompt(
     tokenizer, config, text: str, images: Sequence, budget: int = DEFAULT_BUDGET, *, add_special_tokens: bool = True
 ):
-    """Token ids of `text` (one image token per image) with the images' placeholders, and their Pixels."""
-    pixels, counts = preprocess(images, budget)
+    """Token ids of `text` (one image token per image) with the images' placeholders, and their Pixels (cut
+    as the checkpoint's vision_config says)."""
+    pixels, counts = preprocess(images, budget, **geometry(config))
     expanded = expand_image_tokens(text, counts, image_token_strings(tokenizer, config))
     return tokenizer.encode(expanded, add_special_tokens=add_special_tokens), pixels
 
@@ -228,12 +253,14 @@ def frames_text(counts: list[int], fps: float, tokens: tuple[str, str, str]) -> 
 
 def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
     """Token ids of chat messages rendered by the checkpoint's template, image and video parts included,
-    and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET."""
+    and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET, both cut as
+    the checkpoint's vision_config says."""
     found = media_of(messages)
     text = tokenizer.render_chat(messages, **template_kwargs)
     if not found:
         return tokenizer.encode(text, add_special_tokens=False), None
     tokens = image_token_strings(tokenizer, config)
+    cut = geometry(config)
     groups, pieces = [], []
     rest = text
     for kind, source, fps in found:
@@ -242,10 +269,10 @@ def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_B
         if not sep:
             raise ValueError(f"the chat template wrote fewer {kind} tokens than the messages have {kind}s")
         if kind == "image":
-            pixels, counts = preprocess([source], budget)
+            pixels, counts = preprocess([source], budget, **cut)
             pieces += [head, expand_image_tokens(marker, counts, tokens)]
         else:
-            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame")
+            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame", **cut)
             pieces += [head, frames_text(counts, fps, tokens)]
         groups.append(pixels)
     if tokens[1] in rest or VIDEO_MARKER in rest:

@@ -274,7 +274,8 @@ class VisionEmbedder(nn.Module):
 @dataclass
 class Pixels:
     """Images as the tower takes them (images.py makes them): patches [N, P, 3*patch^2] in [0, 1] and their
-    (x, y) positions [N, P, 2], (-1, -1) on padding rows; P is 9x the images' soft-token budget."""
+    (x, y) positions [N, P, 2], (-1, -1) on padding rows; P is kernel^2 (9 in Gemma 4) x the images'
+    soft-token budget."""
 
     values: torch.Tensor
     positions: torch.Tensor

@@ -18,10 +18,13 @@ pytest.importorskip("transformers")
 SIZES = [(1, 1), (7, 3000), (3000, 7), (4000, 3000), (333, 517), (48, 48), (50, 1000), (1001, 999)]  # (w, h)
 
 
-def _oracle(budget: int):
+SECOND = {"patch_size": 14, "pooling_kernel_size": 2}  # a tower cut otherwise than Gemma 4's 16 and 3
+
+
+def _oracle(budget: int, **geometry):
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    return Gemma4ImageProcessorPil(max_soft_tokens=budget)
+    return Gemma4ImageProcessorPil(max_soft_tokens=budget, **geometry)
 
 
 def _picture(w: int, h: int, mode: str = "RGB", seed: int = 0):
@@ -54,6 +57,40 @@ def test_pixels_match_the_pillow_processor_at_every_size(budget):
         ours, counts = images.preprocess([picture], budget)
         _same(ours, counts, oracle(images=[picture], return_tensors="pt"))
         assert counts[0] <= budget
+
+
+@pytest.mark.parametrize("budget", images.SOFT_TOKEN_BUDGETS)
+def test_pixels_match_the_pillow_processor_at_a_second_geometry(budget):
+    """A tower of 14-pixel patches pooled 2 x 2 (vision_config's patch_size and pooling_kernel_size): the
+    processor configured the same way gives the same pixels, positions and counts; count_soft_tokens agrees."""
+    oracle = _oracle(budget, **SECOND)
+    for w, h in SIZES:
+        picture = _picture(w, h, seed=w + h)
+        ours, counts = images.preprocess([picture], budget, **SECOND)
+        _same(ours, counts, oracle(images=[picture], return_tensors="pt"))
+        assert ours.values.shape == (1, 4 * budget, 3 * 14 * 14)
+        assert images.count_soft_tokens(picture, budget, **SECOND) == counts[0] <= budget
+
+
+def test_chat_prompt_cuts_images_as_the_checkpoint_says():
+    """chat_prompt and text_prompt read patch_size and pooling_kernel_size from the config's vision_config
+    (Gemma 4's 16 and 3 without one)."""
+    from types import SimpleNamespace
+
+    from dgemma.testing import TINY_IMAGE_IDS, make_tokenizer
+
+    tok = make_tokenizer(images=True)
+    picture = _picture(333, 517, seed=5)
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "?"}]}]
+    for vision, geometry in (({"model_type": "gemma4_vision", **SECOND}, SECOND), (None, {})):
+        config = SimpleNamespace(**TINY_IMAGE_IDS, vision_config=vision)
+        assert images.geometry(config) == (geometry or {"patch_size": 16, "pooling_kernel_size": 3})
+        theirs = _oracle(140, **geometry)(images=[picture], return_tensors="pt")
+        ids, pixels = images.chat_prompt(tok, config, messages, budget=140)
+        _same(pixels, [ids.count(TINY_IMAGE_IDS["image_token_id"])], theirs)
+        text_ids, text_pixels = images.text_prompt(tok, config, "<|image|> what?", [picture], 140)
+        assert torch.equal(text_pixels.values, pixels.values)
+        assert text_ids.count(TINY_IMAGE_IDS["image_token_id"]) == theirs["num_soft_tokens_per_image"][0]
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16", "1"])
@@ -176,3 +213,57 @@ def test_video_frames_are_laid_out_as_the_gemma4_processor_does():
     assert "00:04" in tok.decode(ids) and theirs.replace(" ", "") in tok.decode(ids).replace(" ", "")
     with pytest.raises(ValueError, match="fps must be"):
         images.chat_prompt(tok, config, [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 0}]}])
+
+
+@pytest.fixture(scope="module")
+def second_geometry(tmp_path_factory):
+    """A tiny checkpoint (and its transformers oracle) whose tower cuts 14-pixel patches pooled 2 x 2."""
+    from unittest import mock
+
+    from dgemma import testing
+
+    path = tmp_path_factory.mktemp("geometry") / "ckpt"
+    with mock.patch.dict(testing.TINY_VISION, SECOND):
+        oracle = testing.make_oracle_checkpoint(path, images=True, seed=7)
+    testing.make_tokenizer(images=True).save(path)
+    assert oracle.config.vision_config.patch_size == 14
+    return path, oracle
+
+
+@torch.no_grad()
+def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
+    """A checkpoint of 14-pixel patches pooled 2 x 2: chat_prompt's pixels are its processor's, the prefill
+    and the denoiser after it give the oracle's logits, and generate (images=) and `dgemma generate --image`
+    run on it."""
+    import json
+
+    from transformers.cache_utils import DynamicCache
+
+    import dgemma
+    from dgemma.cli import main
+    from dgemma.testing import fp32_logit_tolerance, load_quiet, oracle_image_encode
+
+    path, oracle = second_geometry
+    model, tok = load_quiet(path, dtype="fp32"), dgemma.Tokenizer.from_dir(path)
+    pictures = [_picture(160, 90, seed=1), _picture(40, 300, seed=2)]
+    content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": "what is this?"}]
+    ids, pixels = images.chat_prompt(tok, model.config, [{"role": "user", "content": content}], budget=70)
+    theirs = _oracle(70, **SECOND)(images=pictures, return_tensors="pt")
+    _same(pixels, images.preprocess(pictures, 70, **SECOND)[1], theirs)
+    assert ids.count(oracle.config.image_token_id) == sum(theirs["num_soft_tokens_per_image"])
+    prompt = torch.tensor([ids])
+    pkv = DynamicCache(config=oracle.config.text_config)
+    oracle_image_encode(oracle, prompt, None, pixels, pkv)
+    cache = model.new_cache(1, len(ids) + model.config.canvas_length)
+    model.encode(prompt, cache, pixels=pixels)
+    canvas = torch.randint(0, 500, (1, model.config.canvas_length), generator=torch.Generator().manual_seed(0))
+    ref = oracle(past_key_values=pkv, decoder_input_ids=canvas).logits
+    torch.testing.assert_close(model.denoise(canvas, cache), ref, rtol=0, atol=fp32_logit_tolerance(model))
+    out = dgemma.generate(
+        model, "<|image|> hi", tokenizer=tok, images=[pictures[0]], max_soft_tokens=70, max_new_tokens=3
+    )
+    assert len(out.tokens[0]) == 3
+    pictures[1].save(tmp_path / "b.png")
+    args = ["generate", "-m", str(path), "-p", "what?", "--image", str(tmp_path / "b.png"), "--max-soft-tokens", "70"]
+    assert main([*args, "--max-new-tokens", "3", "--max-denoising-steps", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] <= 3

@@ -127,3 +127,44 @@ def test_an_image_for_a_model_without_images_is_a_400(server):
     body = {"messages": _ask(_url(_png(16, 16))), **SETTINGS}
     r = httpx.post(server.url + CHAT, json=body, headers=AUTH, timeout=60)
     assert r.status_code == 400, r.text  # its tokenizer has no image tokens
+
+
+@pytest.fixture(scope="module")
+def second_geometry(tmp_path_factory):
+    """A live server on a tiny checkpoint whose tower cuts 14-pixel patches pooled 2 x 2, and its path."""
+    from unittest import mock
+
+    from live_server import LiveServer
+
+    from dgemma import testing
+    from dgemma.server.app import create_app
+
+    path = tmp_path_factory.mktemp("geometry") / "ckpt"
+    with mock.patch.dict(testing.TINY_VISION, patch_size=14, pooling_kernel_size=2):
+        testing.make_oracle_checkpoint(path, images=True, seed=7)
+    testing.make_tokenizer(images=True).save(path)
+    model = testing.load_quiet(path)
+    app = create_app(model, dgemma.Tokenizer.from_dir(path), model_name="tiny", api_key=KEY)
+    with LiveServer(app) as live:
+        yield live, path
+
+
+def test_an_image_for_a_checkpoint_of_another_geometry(second_geometry):
+    """The server cuts images as the checkpoint's vision_config says (patch_size 14, pooling_kernel_size 2):
+    the Python API's prompt and tokens."""
+    from PIL import Image
+
+    from dgemma.images import chat_prompt
+
+    live, path = second_geometry
+    a = _png(100, 60, 1)
+    r = _post(live.url, {"messages": _ask(_url(a)), "max_soft_tokens": 70, **SETTINGS})
+    assert r.status_code == 200, r.text
+    tok, model = dgemma.Tokenizer.from_dir(path), dgemma.load(path)
+    parts = [{"type": "image", "image": Image.open(io.BytesIO(a))}, {"type": "text", "text": "what is this?"}]
+    ids, pixels = chat_prompt(tok, model.config, [{"role": "user", "content": parts}], budget=70)
+    assert pixels.values.shape[1:] == (4 * 70, 3 * 14 * 14)
+    api = dgemma.generate(model, ids, pixels=pixels, max_new_tokens=6, max_denoising_steps=3, seed=3)
+    answer = r.json()
+    assert answer["choices"][0]["message"]["content"] == tok.decode(api.tokens[0])
+    assert answer["usage"]["prompt_tokens"] == len(ids)
