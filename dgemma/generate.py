@@ -493,7 +493,8 @@ class _Loop:
             finished_rows = finished_rows | hit_stop
             if all(self.out.finished(r) for r in range(self.b)) or k == self.num_canvases - 1:
                 break
-            self.runner.encode(seq, self.cache, exact=self.exact)  # commit
+            # commit: generated tokens, which may hold the image placeholder id (embedded as any token)
+            self.runner.encode(seq, self.cache, exact=self.exact, is_generated=True)
         yield DoneEvent(self._result(torch.cat(sequences, dim=1)))
 
     def _result(self, sequences: torch.Tensor) -> GenerationResult:

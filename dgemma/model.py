@@ -401,17 +401,22 @@ class DiffusionGemma(nn.Module):
         *,
         return_logits: bool = False,
         pixels=None,  # vision.Pixels of the images whose placeholders input_ids holds, in order
+        is_generated: bool = False,  # input_ids are the model's own tokens (a committed canvas), not a prompt
     ) -> EncodeOutput:
         """Causal pass over new tokens at positions cache.length ...; appends their keys/values to `cache`.
 
         With `pixels`, the images' soft tokens replace the embeddings at the image placeholders (row-major
         through the batch), and with use_bidirectional_attention "vision" each image's placeholders also
-        see each other both ways, on every layer."""
+        see each other both ways, on every layer. A prompt holding placeholders without `pixels` is refused;
+        generated tokens (`is_generated`: a commit) never carry images, and a placeholder id among them is
+        embedded as any other token, as the reference's commits do."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(
                 f"input_ids must have shape [batch, tokens] with tokens > 0 (got {tuple(input_ids.shape)})"
             )
-        self._check_ids(input_ids, with_images=pixels is not None)
+        if is_generated and pixels is not None:
+            raise ValueError("generated tokens carry no images: pass pixels= with the prompt that holds them")
+        self._check_ids(input_ids, with_images=pixels is not None, is_prompt=not is_generated)
         x, blocks = self.embed(input_ids), None
         if pixels is not None:
             x, blocks = self._place_images(input_ids, x, pixels)
@@ -501,7 +506,9 @@ class DiffusionGemma(nn.Module):
         )
 
     @torch.compiler.disable  # it reads the ids back to the host: in a compiled encode it runs eagerly, unguarded
-    def _check_ids(self, ids: torch.Tensor, with_images: bool = False) -> None:
+    def _check_ids(self, ids: torch.Tensor, with_images: bool = False, is_prompt: bool = True) -> None:
+        """Refuse ids outside the vocabulary, and a prompt with image placeholders but no images (generated
+        tokens may hold the placeholder id: the denoiser can draw any token)."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"token ids must be an integer tensor (got {ids.dtype})")
         lo, hi = int(ids.min()), int(ids.max())
@@ -510,7 +517,7 @@ class DiffusionGemma(nn.Module):
         image_id = self.config.image_token_id
         if with_images and image_id is None:
             raise ValueError("images need an image_token_id in config.json")
-        placeholders = not with_images and image_id is not None and image_id < self.text_config.vocab_size
+        placeholders = is_prompt and not with_images and image_id is not None and image_id < self.text_config.vocab_size
         if placeholders and bool((ids == image_id).any()):
             raise ValueError(
                 f"input contains image placeholder tokens (id {image_id}) but no images were given (pass pixels=)"

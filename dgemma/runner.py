@@ -108,14 +108,16 @@ class Runner:
         return_logits: bool = False,
         exact: bool = False,
         pixels=None,
+        is_generated: bool = False,
     ) -> EncodeOutput:
-        """`DiffusionGemma.encode` on the modules for `exact`; with `compile`, the twin's text encodes
-        (prompts and commits) run compiled: dynamo recompiles once their lengths vary, then treats them as
-        dynamic, and the id check runs eagerly. Encodes with images run eagerly."""
+        """`DiffusionGemma.encode` on the modules for `exact` (`is_generated`: a commit of generated tokens,
+        which may hold the image placeholder id); with `compile`, the twin's text encodes (prompts and
+        commits) run compiled: dynamo recompiles once their lengths vary, then treats them as dynamic, and
+        the id check runs eagerly. Encodes with images run eagerly."""
+        kw = dict(return_logits=return_logits, is_generated=is_generated)
         if exact or self._fast_encode is None or pixels is not None:
-            model = self.modules_for(exact)
-            return model.encode(input_ids, cache, attention_mask, return_logits=return_logits, pixels=pixels)
-        return self._fast_encode(input_ids, cache, attention_mask, return_logits=return_logits)
+            return self.modules_for(exact).encode(input_ids, cache, attention_mask, pixels=pixels, **kw)
+        return self._fast_encode(input_ids, cache, attention_mask, **kw)
 
     def denoise(
         self,

@@ -6,11 +6,14 @@ gives transformers' token ids; a negative control shows the image-block mask mat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import dgemma
 from dgemma.generate import left_pad
+from dgemma.runner import as_runner
 from dgemma.testing import (
     TINY_IMAGE_IDS,
     fp32_logit_tolerance,
@@ -152,6 +155,174 @@ def test_image_input_errors_name_the_problem(pair):
     text_only = dgemma.build(config)
     with pytest.raises(ValueError, match="no vision tower"):
         text_only.encode(ids, text_only.new_cache(1, ids.shape[1]), pixels=pixels)
+
+
+# A canvas may draw the image placeholder id (the denoiser can draw any token). transformers commits it as an
+# ordinary token: its commits pass no pixels, so the encoder embeds the id's own row of the embedding table
+# (times sqrt(M)) under the plain causal mask. dgemma must do the same, and refuse only prompts.
+PLACEHOLDER_PROMPTS = {
+    "text_prompt": [_text(9, 12)],
+    "image_prompt": [_text(3, 13), 6, _text(2, 14)],  # the image's placeholders come with pixels
+}
+
+
+def _text_only(model):
+    """The same text weights without a vision tower (as a text-only checkpoint loads), image id kept."""
+    import dataclasses
+
+    config = dataclasses.replace(model.config, vision_config=None)
+    text_only = dgemma.build(config)
+    tower = ("vision_tower.", "embed_vision.")
+    text_only.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith(tower)})
+    assert text_only.vision_tower is None and text_only.config.image_token_id == IMAGE
+    return text_only
+
+
+def _placeholder_prompt(name: str):
+    """Token ids [1, T] of the prompt and its Pixels (None for a text prompt)."""
+    prompt = image_prompt(PLACEHOLDER_PROMPTS[name], IMAGE, BOI, EOI)
+    pixels = random_pixels([(6, 9)], 72, seed=2)[0] if IMAGE in prompt else None
+    return prompt, pixels
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("tower", "name"), [(True, "text_prompt"), (False, "text_prompt"), (True, "image_prompt")])
+def test_a_committed_canvas_holding_the_placeholder_matches_transformers(pair, tower, name):
+    """The commit of a canvas holding the placeholder id, with no images, gives the oracle's hidden states,
+    and the next canvas (placeholders in it too) its logits; the fast twin's commit gives the reference's."""
+    from transformers.cache_utils import DynamicCache
+
+    oracle, model = pair
+    model = model if tower else _text_only(model)
+    prompt, pixels = _placeholder_prompt(name)
+    ids = torch.tensor([prompt])
+    c = model.config.canvas_length
+    committed = torch.tensor([[IMAGE, 7, IMAGE, IMAGE, 40, 3, 200, IMAGE]])[:, :c]
+    canvas = torch.tensor([[9, IMAGE, 11, IMAGE, IMAGE, 300, 5, 6]])[:, :c]
+    pkv = DynamicCache(config=oracle.config.text_config)
+    if pixels is None:
+        oracle.model.encoder(input_ids=ids, past_key_values=pkv)
+    else:
+        oracle_image_encode(oracle, ids, None, pixels, pkv)
+    ref_hidden = oracle.model.encoder(input_ids=committed, past_key_values=pkv).last_hidden_state
+    ref = oracle(past_key_values=pkv, decoder_input_ids=canvas).logits
+    vision, text = oracle.config.vision_config, model.text_config
+    depth = text.num_hidden_layers + vision.num_hidden_layers + 1
+    tol_hidden = fp32_tolerance(ref_hidden.abs().max().item(), text.hidden_size, depth)
+    tol = fp32_logit_tolerance(model)
+    outputs = []
+    for runner, exact in ((model, True), (dgemma.accelerate(model), False)):
+        cache = model.new_cache(1, ids.shape[1] + 2 * c)
+        dgemma.Runner(model).encode(ids, cache, pixels=pixels)  # the prompt, on the reference modules
+        run = as_runner(runner)
+        hidden = run.encode(committed, cache, exact=exact, is_generated=True).hidden_states
+        outputs.append((hidden, run.denoise(canvas, cache, exact=exact)))
+    (hidden, logits), (fast_hidden, fast_logits) = outputs
+    torch.testing.assert_close(hidden, ref_hidden, rtol=0, atol=tol_hidden)
+    torch.testing.assert_close(logits, ref, rtol=0, atol=tol)
+    torch.testing.assert_close(fast_hidden, hidden, rtol=0, atol=tol_hidden)
+    torch.testing.assert_close(fast_logits, logits, rtol=0, atol=tol)
+
+
+@contextlib.contextmanager
+def _likely(token: int, *models, factor: float):
+    """Make `token` likely under each model (its tied embedding row scaled; restored after)."""
+    rows = [(m.model.decoder.embed_tokens if hasattr(m, "model") else m.embed_tokens).weight for m in models]
+    saved = [w[token].clone() for w in rows]
+    with torch.no_grad():
+        for w in rows:
+            w[token] *= factor
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for w, row in zip(rows, saved, strict=True):
+                w[token] = row
+
+
+@pytest.mark.parametrize("name", sorted(PLACEHOLDER_PROMPTS))
+def test_exact_generation_commits_a_drawn_placeholder_as_transformers_does(pair, name):
+    """With the placeholder made likely, canvases draw it, and exact mode commits them and goes on, giving
+    transformers' token ids, after a text prompt and after a prompt with an image."""
+    oracle, model = pair
+    prompt, pixels = _placeholder_prompt(name)
+    ids = torch.tensor([prompt])
+    settings = dict(max_new_tokens=24, max_denoising_steps=4)
+    images = {} if pixels is None else dict(pixel_values=pixels.values, image_position_ids=pixels.positions)
+    if pixels is not None:
+        images["mm_token_type_ids"] = (ids == IMAGE).long()
+    with _likely(IMAGE, oracle, model, factor=12.0):
+        torch.manual_seed(5)
+        ref = oracle.generate(input_ids=ids, eos_token_id=1, pad_token_id=0, **images, **settings)
+        ours = dgemma.generate(model, [prompt], mode="exact", seed=5, stop_token_ids=[1], pixels=pixels, **settings)
+    ref = ref.sequences[:, ids.shape[1] :]
+    assert torch.equal(ours.sequences, ref)
+    c = model.config.canvas_length
+    assert IMAGE in ours.sequences[0, :-c].tolist()  # a committed canvas held it
+    assert len(ours.tokens[0]) == 24
+
+
+def _forced(c: int) -> list:
+    """allowed= for a first canvas that must hold the placeholder at positions 1, 2 and 5."""
+    return [[{IMAGE} if i in (1, 2, 5) else None for i in range(c)]]
+
+
+@pytest.mark.parametrize(("tower", "name"), [(True, "text_prompt"), (False, "text_prompt"), (True, "image_prompt")])
+def test_fast_generation_commits_a_placeholder_and_goes_on(pair, tower, name):
+    """Fast mode on the fast modules and on the reference ones: a first canvas restricted to the placeholder
+    at some positions is committed and the next canvases are generated."""
+    _, model = pair
+    model = model if tower else _text_only(model)
+    prompt, pixels = _placeholder_prompt(name)
+    c = model.config.canvas_length
+    for runner in (dgemma.accelerate(model), model):
+        settings = dict(max_new_tokens=3 * c, max_denoising_steps=3, seed=1, stop_token_ids=[])
+        result = dgemma.generate(runner, [prompt], pixels=pixels, allowed=_forced(c), **settings)
+        tokens = result.tokens[0]
+        assert len(tokens) == 3 * c and [tokens[i] for i in (1, 2, 5)] == [IMAGE] * 3
+
+
+def test_an_engine_batch_goes_on_when_a_canvas_draws_the_placeholder(pair):
+    """In a served batch, the request whose canvas holds the placeholder commits it, and the request beside
+    it gets the tokens it gets alone."""
+    from dgemma.engine import Engine, EngineRequest
+    from dgemma.generate import DoneEvent
+
+    _, model = pair
+    c = model.config.canvas_length
+    other = (_text(7, 15), dict(seed=2, max_new_tokens=2 * c, max_denoising_steps=3, stop_token_ids=[]))
+    alone = dgemma.generate(model, other[0], **other[1]).tokens
+    runner = dgemma.accelerate(model)
+    engine = Engine(runner, max_batch=4)
+    try:
+        settings = dict(seed=1, max_new_tokens=3 * c, max_denoising_steps=3, stop_token_ids=[])
+        drawn = engine.submit(EngineRequest(_text(5, 16), settings, allowed=_forced(c)))
+        beside = engine.submit(EngineRequest(other[0], dict(other[1])))
+        results = []
+        for request in (drawn, beside):
+            event = request.events.get(timeout=120)
+            while not isinstance(event, DoneEvent | Exception):
+                event = request.events.get(timeout=120)
+            results.append(event)
+    finally:
+        engine.close()
+    assert not any(isinstance(r, Exception) for r in results), results
+    first, second = (r.result for r in results)
+    assert len(first.tokens[0]) == 3 * c and first.tokens[0][1] == IMAGE
+    assert second.tokens == alone
+
+
+def test_a_prompt_with_placeholders_and_no_images_is_still_refused(pair):
+    """Only generated tokens may hold the placeholder without images: a prompt that does is refused, in
+    both modes and on the fast modules, and a commit takes no images."""
+    _, model = pair
+    prompt = [5, 6, IMAGE, 7]
+    for runner, mode in ((model, "exact"), (model, "fast"), (dgemma.accelerate(model), "fast")):
+        with pytest.raises(ValueError, match="no images were given"):
+            dgemma.generate(runner, prompt, mode=mode, max_new_tokens=4)
+    _, pixels = _placeholder_prompt("image_prompt")
+    with pytest.raises(ValueError, match="generated tokens carry no images"):
+        model.encode(torch.tensor([prompt]), model.new_cache(1, 4), pixels=pixels, is_generated=True)
 
 
 def test_parameter_counts_include_the_tower(pair):
