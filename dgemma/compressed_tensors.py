@@ -32,6 +32,7 @@ them packed), and it pulls transformers and pydantic in. It is the oracle of the
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ from .quant.modules import empty_buffers
 QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape"}
 ACTIVATION_PARAMS = {"input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point"}
 KV_PARAMS = {"k_scale", "v_scale", "q_scale"}
+SCALES = ("weight_scale", "weight_global_scale")
+_DENSE = {"F64", "F32", "F16", "BF16"}  # safetensors' dtype names of a full-precision weight
+_FLOATS = _DENSE | {"F8_E4M3"}  # of a scale (NVFP4's are e4m3)
+_INTS = {"I8", "U8", "I32", "I64"}  # of a zero point, packed or not
 _EXPERT = re.compile(r"^(?P<root>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)$")
 _KEPT = {  # (format, type, bits, strategy) -> dgemma mode
     ("float-quantized", "float", 8, "channel"): "fp8",
@@ -82,6 +87,21 @@ class Scheme:
     def mode(self) -> str | None:
         """dgemma's mode that stores these weights as they are, or None (dequantized on load)."""
         return _KEPT.get((self.format, self.type, self.num_bits, self.strategy))
+
+    def describe(self) -> str:
+        """How the config says the weights are stored, e.g. "int8 per channel (pack-quantized)"."""
+        per = {"tensor": "per tensor", "channel": "per channel", "block": f"per block {self.block}"}
+        return f"{self.type}{self.num_bits} {per.get(self.strategy, f'per group of {self.group_size}')} ({self.format})"
+
+    def grid(self, n_out: int, n_in: int) -> tuple[int, int]:
+        """The scales of a weight [n_out, n_in], rows x columns: one per tensor / row / group / block."""
+        if self.strategy == "tensor":
+            return 1, 1
+        if self.strategy in ("group", "tensor_group"):
+            return n_out, n_in // (self.group_size or n_in)
+        if self.strategy == "block" and self.block:
+            return -(-n_out // self.block[0]), -(-n_in // self.block[1])
+        return n_out, 1
 
 
 def _strategy(args: dict) -> str:
@@ -185,7 +205,7 @@ class Module:
         static = sorted(set(tensors) & ACTIVATION_PARAMS)
         if static and not (mode == "nvfp4" and static == ["input_global_scale"]):
             raise ValueError(f"{name}: static activation quantization ({', '.join(static)}) is not supported")
-        self.shape = self._shape()
+        self.shape = self._check()
         if mode == "int4":
             group = scheme.group_size if scheme.strategy == "group" else None
             self.spec: QuantSpec | None = QuantSpec("int4", group, "symmetric" if scheme.symmetric else "asymmetric")
@@ -196,16 +216,59 @@ class Module:
         else:
             self.spec = None  # dequantized on load
 
+    def _check(self) -> tuple[int, int]:
+        """The weight's shape, after refusing tensors missing from, or of another dtype or shape than, what
+        the config group's scheme stores: a ValueError naming the module, the scheme and the tensor."""
+        s, says = self.scheme, f"{self.name}: config says {self.scheme.describe()}"
+        codes = "weight_packed" if s.format in ("pack-quantized", "nvfp4-pack-quantized") else "weight"
+        needed = [codes, "weight_scale"] + ["weight_shape"] * (s.format == "pack-quantized")
+        needed += ["weight_global_scale"] * (s.format == "nvfp4-pack-quantized")
+        needed += ["weight_zero_point"] * (not s.symmetric)
+        if missing := [t for t in needed if t not in self.tensors]:
+            raise ValueError(f"{says} but the checkpoint has no {', '.join(missing)}")
+        n_out, n_in = shape = self._shape()
+        if s.strategy in ("group", "tensor_group") and (not s.group_size or n_in % s.group_size):
+            raise ValueError(f"{says}, which does not divide its {n_in} inputs")
+        rows, cols = s.grid(n_out, n_in)
+        code = {"pack-quantized": "I32", "nvfp4-pack-quantized": "U8"}.get(s.format)
+        code = code or ("I8" if s.type == "int" else "F8_E4M3")
+        zp_rows = -(-rows * s.num_bits // 32) if self._dtype("weight_zero_point") == "I32" else rows  # packed
+        per_group = s.strategy in ("group", "tensor_group", "block")
+        expect = {  # local name -> (dtypes, shape or number of values; None: the codes' own shape)
+            codes: ({code}, (n_out, -(-n_in * s.num_bits // 32)) if code == "I32" else None),
+            "weight_scale": (_FLOATS, (rows, cols) if per_group else rows * cols),
+            "weight_global_scale": (_FLOATS, 1),
+            "weight_zero_point": (_INTS, zp_rows * cols),
+        }
+        for local, (dtypes, want) in ((k, v) for k, v in expect.items() if k in self.tensors):
+            have = tuple(self.source.shape(self.tensors[local]))
+            if self._dtype(local) not in dtypes:
+                raise ValueError(f"{says} but {local} is {self._dtype(local)}, not {' or '.join(sorted(dtypes))}")
+            if want is not None and (have != want if isinstance(want, tuple) else math.prod(have) != want):
+                want = want if isinstance(want, tuple) else f"{want} values"
+                raise ValueError(f"{says}: {local} should be {want} for a weight {shape}, but is {have}")
+        return shape
+
+    def _dtype(self, local: str) -> str | None:
+        return self.source.dtype(self.tensors[local]) if local in self.tensors else None
+
     def _get(self, local: str) -> torch.Tensor:
-        return self.source.get(self.tensors[local])
+        t = self.source.get(self.tensors[local])
+        if local in SCALES and not torch.isfinite(t.float()).all():  # else the weights are NaN or inf too
+            raise ValueError(f"{self.tensors[local]} holds non-finite values (inf or NaN)")
+        return t
 
     def _shape(self) -> tuple[int, int]:
+        """The weight's [out, in]: its weight_shape, else its codes' (nvfp4: two codes a byte)."""
         if "weight_shape" in self.tensors:
-            return tuple(int(v) for v in self._get("weight_shape").tolist())
-        if "weight_packed" in self.tensors:  # nvfp4: two codes a byte
-            rows, half = self.source.shape(self.tensors["weight_packed"])
-            return rows, 2 * half
-        return self.source.shape(self.tensors["weight"])
+            shape = tuple(int(v) for v in self._get("weight_shape").tolist())
+        else:
+            packed = "weight_packed" in self.tensors
+            shape = tuple(self.source.shape(self.tensors["weight_packed" if packed else "weight"]))
+            shape = (*shape[:-1], 2 * shape[-1]) if packed and shape else shape
+        if len(shape) != 2:
+            raise ValueError(f"{self.name}: the weight's shape is {shape}, not (out, in)")
+        return shape
 
     def quantized(self) -> Quantized:
         """The weight in dgemma's layout for self.spec (codes, scales, zero points, global scale)."""
@@ -297,12 +360,18 @@ class CompressedSource:
                 raise ValueError(f"{name}: a quantized KV cache is not supported by dgemma")
             if local in QPARAMS | ACTIVATION_PARAMS | {"weight"}:
                 grouped.setdefault(module, {})[local] = name
+        for tensors in grouped.values():  # codes without their scales would load as weights
+            weight = tensors.get("weight")
+            if weight and not set(tensors) & QPARAMS and source.dtype(weight) not in _DENSE:
+                raise ValueError(f"{weight} holds {source.dtype(weight)} codes but the checkpoint has no weight_scale")
         grouped = {m: t for m, t in grouped.items() if set(t) & QPARAMS or _EXPERT.match(m)}  # else: as stored
         self.passthrough = [n for n in source.names() if n.rpartition(".")[0] not in grouped]
         parts: dict[str, Module | str] = {}  # module -> Module, or the name of a plain expert weight
         unused = 0
         for module, tensors in grouped.items():
             if not set(tensors) & QPARAMS:
+                if "weight" not in tensors:
+                    raise ValueError(f"{module} has {', '.join(sorted(tensors))} but no weight")
                 parts[module] = tensors["weight"]
                 continue
             scheme = config.scheme_for(module)
@@ -345,6 +414,8 @@ class CompressedSource:
             else:
                 self.specs[root] = specs[0] if specs[0] == specs[1] else specs
             for which, members, spec in (("gate_up_proj", gate_up, specs[0]), ("down_proj", down, specs[1])):
+                if len(shapes := {_shape_of(m, self.source) for m in members}) > 1:
+                    raise ValueError(f"{root}: the experts' {which} weights differ in shape: {sorted(shapes)}")
                 n_out, n_in = _shape_of(members[0], self.source)
                 rows = 2 * n_out if which == "gate_up_proj" else n_out
                 self._add(("stack", root, which), f"{root}.{which}", spec, (self.num_experts, rows, n_in))

@@ -74,6 +74,7 @@ _SAMPLER = {  # diffusion.<key> -> generation_config.json
 }
 KEPT = {"Q8_0": QuantSpec("int8", 32), "Q4_0": QuantSpec("int4", 32, "symmetric")}
 WRITABLE = ("bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+SOFTCAP = 30.0  # llama.cpp's default final_logit_softcapping, and DiffusionGemma's
 
 
 def gguf_path(path: str | os.PathLike) -> Path | None:
@@ -129,6 +130,9 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
     layer_types = [SLIDING if s else FULL for s in sliding]
     kv = get("attention.head_count_kv")
     kv = kv if isinstance(kv, list) else [kv] * layers
+    for key, values in (("attention.sliding_window_pattern", sliding), ("attention.head_count_kv", kv)):
+        if len(values) != layers:
+            raise ValueError(f"{path}: {arch}.{key} has {len(values)} entries, but block_count says {layers} layers")
     kv_sliding = {k for k, t in zip(kv, layer_types, strict=True) if t == SLIDING} or {kv[0]}
     kv_full = {k for k, t in zip(kv, layer_types, strict=True) if t == FULL}
     tensors = {t.name: t for t in reader.tensors}
@@ -150,7 +154,7 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
         sliding_window=int(get("attention.sliding_window")),
         layer_types=layer_types,
         rope_parameters=_rope(reader, get, tensors),
-        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+        final_logit_softcapping=_softcap(path, _field(reader, f"{arch}.final_logit_softcapping")),
         num_experts=_field(reader, f"{arch}.expert_count") or None,
         top_k_experts=_field(reader, f"{arch}.expert_used_count") or None,
         moe_intermediate_size=_field(reader, f"{arch}.expert_feed_forward_length") or None,
@@ -167,6 +171,15 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
     sampler = {ours: _field(reader, f"diffusion.{key}") for key, ours in _SAMPLER.items()}
     generation = GenerationConfig.from_dict({k: v for k, v in sampler.items() if v is not None}, str(path))
     return config, generation
+
+
+def _softcap(path: Path, value: float | None) -> float | None:
+    """The final logit softcap: 0 is none (llama.cpp skips the cap then); a file without the key gets
+    llama.cpp's default of 30, as transformers always applies it (reported)."""
+    if value is None:
+        warnings.warn(f"{path} has no final_logit_softcapping; using {SOFTCAP}, as llama.cpp does", stacklevel=5)
+        return SOFTCAP
+    return float(value) or None
 
 
 def _rope(reader, get, tensors) -> dict:
@@ -287,6 +300,11 @@ class GGUFSource:
         for block, parts in split.items():
             if set(parts) != {"ffn_gate_exps", "ffn_up_exps"}:
                 raise ValueError(f"{path}: {block} has {sorted(parts)} but needs both ffn_gate_exps and ffn_up_exps")
+            if f"{block}.ffn_gate_up_exps.weight" in tensors:
+                raise ValueError(f"{path}: {block} holds its experts twice, fused (ffn_gate_up_exps) and split")
+            if _shape(parts["ffn_gate_exps"]) != _shape(parts["ffn_up_exps"]):
+                shapes = f"{_shape(parts['ffn_gate_exps'])} and {_shape(parts['ffn_up_exps'])}"
+                raise ValueError(f"{path}: {block}.ffn_gate_exps and ffn_up_exps differ in shape: {shapes}")
             self.entries[hf_name(f"layers.{block.split('.')[1]}.experts.gate_up_proj")] = (
                 "fuse",
                 (parts["ffn_gate_exps"], parts["ffn_up_exps"]),
@@ -400,8 +418,7 @@ def _metadata(writer, model, generation: GenerationConfig | None) -> None:
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", text.rms_norm_eps)
     writer.add_float32(f"{a}.rope.freq_base", float(text.rope_parameters[FULL]["rope_theta"]))
     writer.add_float32(f"{a}.rope.freq_base_swa", float(text.rope_parameters[SLIDING]["rope_theta"]))
-    if text.final_logit_softcapping:
-        writer.add_float32(f"{a}.final_logit_softcapping", float(text.final_logit_softcapping))
+    writer.add_float32(f"{a}.final_logit_softcapping", float(text.final_logit_softcapping or 0))  # 0: none
     if text.has_experts:
         writer.add_uint32(f"{a}.expert_count", text.num_experts)
         writer.add_uint32(f"{a}.expert_used_count", text.top_k_experts)

@@ -332,13 +332,15 @@ def _check_names(directory: Path, model: DiffusionGemma, source, primary: dict, 
             parts.append(f"unexpected tensors ({len(unexpected)}): " + _listing(unexpected, ", "))
         if wrong_shape:
             parts.append(f"wrong shapes ({len(wrong_shape)}): " + _listing(wrong_shape, "; "))
-        raise ValueError(f"checkpoint {directory} does not match its config.json: " + " | ".join(parts))
+        described = "the model its GGUF metadata describes" if isinstance(source, GGUFSource) else "its config.json"
+        raise ValueError(f"checkpoint {directory} does not match {described}: " + " | ".join(parts))
 
 
 def _read_state(model, source, primary: dict, device, target, quantize: QuantSpec | None, report) -> dict:
     """Every tensor of the model, read (and, with `quantize`, quantized as that spec) one by one."""
     to_quantize = quantized_weight_names(model) if quantize else set()
     stored = set() if quantize else quantized_buffer_names(model)
+    codes = {n: model.get_buffer(n).dtype for n in quantized_weight_names(model)} if not quantize else {}
     state = {}
     for ours, hf in primary.items():
         if ours in to_quantize:
@@ -351,6 +353,10 @@ def _read_state(model, source, primary: dict, device, target, quantize: QuantSpe
             del tensor
         elif ours in stored:  # stored codes and scales: as they are
             state[ours] = source.get(hf).to(device=device)
+            if ours in codes and state[ours].dtype != codes[ours]:  # e.g. fp8 codes under an int8 config
+                raise ValueError(
+                    f"{hf}: the quantization config says {codes[ours]} codes, but they are {state[ours].dtype}"
+                )
             nbytes = state[ours].nbytes
         else:
             state[ours] = source.get(hf).to(device=device, dtype=target)

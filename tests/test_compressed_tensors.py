@@ -11,6 +11,7 @@ library's dequantized weights make, to fp32 rounding.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -119,8 +120,6 @@ def _linears(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor
 
 
 def _scheme_of(module: str, groups: list[QuantizationScheme]) -> QuantizationScheme:
-    import re
-
     for scheme in groups:
         if any(t == "Linear" or re.match(t[3:], module) for t in scheme.targets):
             return scheme
@@ -413,4 +412,81 @@ def test_a_malformed_quantization_config_is_a_clear_error(source, tmp_path):
     write_compressed(source, tmp_path / "ct", "fp8_dynamic")
     _edit(tmp_path / "ct", config=lambda qc: qc["config_groups"]["group_0"]["weights"].pop("type"))
     with pytest.raises(ValueError, match="quantization_config"):
+        dgemma.load(tmp_path / "ct")
+
+
+Q = f"{DEC}layers.0.self_attn.q_proj"
+EXPERT = f"{DEC}layers.0.experts.1.gate_proj"
+
+
+def _replace(name: str, value: torch.Tensor):
+    return lambda t: t.update({name: value})
+
+
+# (scheme, edit of the file's tensors, the error) for files the library wrote, then damaged
+HOSTILE = {
+    "no scale, fp8": ("fp8_dynamic", lambda t: t.pop(f"{Q}.weight_scale"), rf"{Q}\.weight holds F8_E4M3 codes"),
+    "no scale, expert": ("fp8_dynamic", lambda t: t.pop(f"{EXPERT}.weight_scale"), "experts.1.gate_proj.weight hol"),
+    "no scale, int4": ("w4a16", lambda t: t.pop(f"{Q}.weight_scale"), rf"{Q}: config says int4 .* no weight_scale$"),
+    "no zero point": ("w4a16_asym", lambda t: t.pop(f"{Q}.weight_zero_point"), "no weight_zero_point"),
+    "no global scale": ("nvfp4", lambda t: t.pop(f"{Q}.weight_global_scale"), "no weight_global_scale"),
+    "no weight_shape": ("w8a16", lambda t: t.pop(f"{Q}.weight_shape"), "int8 per channel .* no weight_shape"),
+    "scale rows": ("fp8_dynamic", _replace(f"{EXPERT}.weight_scale", torch.ones(5, 1)), r"32 values .* \(5, 1\)"),
+    "scale groups": ("w4a16", _replace(f"{Q}.weight_scale", torch.ones(64, 2)), r"\(64, 4\) .* \(64, 2\)"),
+    "nvfp4 scale": ("nvfp4", _replace(f"{Q}.weight_scale", torch.ones(3, 2).to(torch.float8_e4m3fn)), r"\(3, 2\)"),
+    "zero points": ("w4a16_asym", _replace(f"{Q}.weight_zero_point", torch.zeros(8, 3, dtype=torch.int32)), "zero_p"),
+    "global scales": ("nvfp4", _replace(f"{Q}.weight_global_scale", torch.ones(2)), "1 values"),
+    "expert shapes": (
+        "fp8_dynamic",
+        lambda t: t.update(
+            {f"{EXPERT}.weight": t[f"{EXPERT}.weight"][:16], f"{EXPERT}.weight_scale": torch.ones(16, 1)}
+        ),
+        "experts' gate_up_proj weights differ in shape",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_missing_or_misshapen_quantization_tensors_name_the_module(source, tmp_path, case):
+    name, edit, message = HOSTILE[case]
+    write_compressed(source, tmp_path / "ct", name)
+    _edit(tmp_path / "ct", tensors=edit)
+    with pytest.raises(ValueError, match=message):
+        dgemma.load(tmp_path / "ct")
+
+
+def test_codes_of_another_dtype_than_the_config_says_are_refused(source, tmp_path):
+    """An int8 config over FP8 codes would load and then fail in the int8 kernel (use_kernels)."""
+
+    def int8(qc):
+        qc["format"] = qc["config_groups"]["group_0"]["format"] = "int-quantized"
+        qc["config_groups"]["group_0"]["weights"]["type"] = "int"
+
+    write_compressed(source, tmp_path / "ct", "fp8_dynamic")
+    _edit(tmp_path / "ct", config=int8)
+    with pytest.raises(ValueError, match=r"config says int8 per channel \(int-quantized\) but weight is F8_E4M3"):
+        dgemma.load(tmp_path / "ct")
+
+
+@pytest.mark.parametrize(
+    "name, tensor, value",
+    [
+        ("fp8_dynamic", f"{Q}.weight_scale", float("inf")),
+        ("fp8_dynamic", f"{EXPERT}.weight_scale", float("nan")),
+        ("w4a16", f"{Q}.weight_scale", float("-inf")),
+        ("w8a16_group_asym", f"{Q}.weight_scale", float("nan")),  # dequantized on load
+        ("nvfp4", f"{Q}.weight_scale", float("nan")),  # e4m3: no inf
+        ("nvfp4", f"{Q}.weight_global_scale", float("inf")),
+        ("nvfp4", f"{EXPERT}.weight_global_scale", float("nan")),
+    ],
+)
+def test_non_finite_scales_are_refused(source, tmp_path, name, tensor, value):
+    def poison(t):
+        x = t[tensor].float().clone()
+        x.view(-1)[-1] = value
+        t[tensor] = x.to(t[tensor].dtype)
+
+    write_compressed(source, tmp_path / "ct", name)
+    _edit(tmp_path / "ct", tensors=poison)
+    with pytest.raises(ValueError, match=rf"^{re.escape(tensor)} holds non-finite"):
         dgemma.load(tmp_path / "ct")

@@ -186,21 +186,25 @@ def _shape(path, name: str) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape))
 
 
-def _rewrite(src, dst, data: dict[str, np.ndarray], kinds: dict) -> None:
-    """Copy a GGUF file with some tensors replaced by raw blocks of another type (gguf's reader and writer)."""
+def _rewrite(src, dst, data: dict[str, np.ndarray], kinds: dict, fields: dict | None = None, extra=None) -> None:
+    """Copy a GGUF file with some tensors replaced by raw blocks of another type (`data`, of `kinds`; None
+    drops one), metadata `fields` replaced (None drops one) and `extra` tensors added (gguf's reader and writer)."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), arch=reader.fields["general.architecture"].contents())
+    fields = fields or {}
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or fields.get(field.name, 0) is None:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        writer.add_key_value(field.name, fields.get(field.name, field.contents()), field.types[0], sub_type=sub)
     for t in reader.tensors:
-        if t.name in data:
+        if t.name in data and data[t.name] is not None:
             writer.add_tensor(t.name, data[t.name], raw_dtype=kinds[t.name])
-        else:
+        elif t.name not in data:
             raw = None if t.tensor_type in (T.F32, T.F16) else t.tensor_type
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -244,3 +248,50 @@ def test_a_gguf_without_its_tokenizer_json_reads_the_one_beside_it(tmp_path):
     tok.save(tmp_path)
     for where in (path, tmp_path):
         assert dgemma.Tokenizer.from_dir(where).encode("def f(x):") == tok.encode("def f(x):")
+
+
+def _experts_split(path, up_rows: int | None = None) -> dict[str, np.ndarray]:
+    """Layer 0's fused experts of a file as split ffn_gate_exps / ffn_up_exps tensors (fp32)."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_gate_up_exps.weight")
+    fused = gguf_dequantize(t.data, t.tensor_type)
+    half = fused.shape[1] // 2
+    up = fused[:, half : 2 * half if up_rows is None else half + up_rows]
+    return {"blk.0.ffn_gate_exps.weight": fused[:, :half].copy(), "blk.0.ffn_up_exps.weight": up.copy()}
+
+
+A = "diffusion-gemma."
+# (metadata replaced, tensors replaced or dropped, tensors added from the file) -> the error
+HOSTILE = {
+    "short head_count_kv": ({A + "attention.head_count_kv": [2, 2, 2]}, {}, None, "count_kv has 3 entries"),
+    "short sliding pattern": ({A + "attention.sliding_window_pattern": [True]}, {}, None, "pattern has 1 entries"),
+    "experts twice": ({}, {}, _experts_split, "blk.0 holds its experts twice"),
+    "split experts differ": (
+        {}, {"blk.0.ffn_gate_up_exps.weight": None}, lambda p: _experts_split(p, 8), r"differ in shape: \(4, 32, 64\)",
+    ),
+    "missing tensor": ({}, {"blk.1.attn_q.weight": None}, None, "missing tensors"),
+    "unknown tensor": ({}, {}, lambda p: {"blk.0.bogus.weight": np.zeros(4, np.float32)}, "unexpected tensors"),
+    "wrong shapes": ({A + "embedding_length": 32}, {}, None, "wrong shapes"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_gguf_files_say_what_disagrees_with_the_metadata(tmp_path, case):
+    fields, drop, extra, message = HOSTILE[case]
+    plain = write(_model("q8_0"), tmp_path / "plain.gguf", "q8_0")
+    _rewrite(plain, tmp_path / "bad.gguf", drop, {}, fields, extra(plain) if extra else None)
+    with pytest.raises(ValueError, match=message) as err:
+        dgemma.load(tmp_path / "bad.gguf")
+    assert "config.json" not in str(err.value)  # a GGUF has none: its metadata describes the model
+
+
+def test_a_gguf_without_softcapping_gets_llama_cpp_s_30_and_says_so(tmp_path):
+    plain = write(_model("bf16"), tmp_path / "plain.gguf", "bf16")
+    _rewrite(plain, tmp_path / "no-cap.gguf", {}, {}, {A + "final_logit_softcapping": None})
+    with pytest.warns(UserWarning, match="final_logit_softcapping; using 30"):
+        model = dgemma.load(tmp_path / "no-cap.gguf")
+    assert model.config.text_config.final_logit_softcapping == 30.0
+    assert torch.equal(_logits(model), _logits(dgemma.load(plain)))  # the tiny preset's own cap is 30 too
+    source = _model("bf16")
+    source.config.text_config.final_logit_softcapping = None  # written as 0, llama.cpp's "no cap"
+    model = dgemma.load(write(source, tmp_path / "uncapped.gguf", "bf16"))
+    assert model.config.text_config.final_logit_softcapping is None

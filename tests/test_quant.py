@@ -3,6 +3,8 @@ and a quantized model against the full-precision one."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,16 @@ def test_bad_quant_names_are_rejected(checkpoint, tmp_path):
     dgemma.save(dgemma.load(checkpoint, quant="int8"), tmp_path / "q8")
     with pytest.raises(ValueError, match="already quantized as int8"):
         dgemma.load(tmp_path / "q8", quant="int4")
+
+
+def test_codes_of_another_dtype_than_the_quantization_block_says_are_refused(checkpoint, tmp_path):
+    """int8 codes under a block that says fp8 (the same scale shapes) would load, then fail in the fp8 kernel."""
+    dgemma.save(dgemma.load(checkpoint, quant="int8"), tmp_path / "q8")
+    raw = json.loads((tmp_path / "q8" / "config.json").read_text())
+    raw["quantization"]["mode"] = "fp8"
+    (tmp_path / "q8" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"says torch\.float8_e4m3fn codes, but they are torch\.int8"):
+        dgemma.load(tmp_path / "q8")
 
 
 def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, capsys):
