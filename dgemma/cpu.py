@@ -7,7 +7,8 @@ is assumed). `dgemma bench` reports them; `preferred_dtype` and `int8_matmuls` a
 follow from them (measured side by side in BENCHMARKS.md, "bf16 and int8 compute on CPU").
 
 `reuse_freed_memory` is the allocator setting a CPU step needs: without it glibc hands the megabytes a
-step frees back to the kernel and faults them in again on the next step.
+step frees back to the kernel and faults them in again on the next step. `release_freed_memory` is its
+counterpart for a burst that will not repeat (the server's image decodes): everything freed goes back now.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ def on_glibc() -> bool:
 
 
 @cache
+def _libc():
+    """glibc's C library (None off glibc or where it cannot be loaded)."""
+    if not on_glibc():
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+@cache
 def reuse_freed_memory() -> bool:
     """Keep the memory a step frees for the next one (glibc only; once per process): returns whether set.
 
@@ -93,13 +105,29 @@ def reuse_freed_memory() -> bool:
     trim threshold to 128 MB: a process keeps at most that much freed memory at the heap's top. Left
     alone where the user tunes malloc already (GLIBC_TUNABLES, MALLOC_*_ variables) and off glibc
     (another allocator, or none of these settings)."""
-    if not on_glibc():
-        return False
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(v in os.environ for v in MALLOC_ENV):
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
+def release_freed_memory() -> bool:
+    """Hand the free pages of the malloc arenas back to the kernel now (glibc's malloc_trim(0)); returns
+    whether any was released (False off glibc).
+
+    glibc returns only the free memory at the top of a heap, and only past the trim threshold (128 MB
+    once reuse_freed_memory has run); each thread that allocates gets an arena of its own, and blocks
+    under the mmap threshold (32 MB then) come from them. So after a burst of large temporaries on worker
+    threads (decoded images: Pillow allocates them in 16 MB blocks) the freed blocks stay resident and RSS
+    stays at its peak; this gives back every whole free page inside them. Not the free top of a worker
+    thread's arena: glibc 2.36's malloc_trim leaves that alone, and under the raised trim threshold frees
+    do not shrink it either. It takes tens of ms (a few GB of free heap), so call it after a burst, not
+    per allocation."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1

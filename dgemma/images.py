@@ -1,10 +1,11 @@
 """Images -> the vision tower's input (vision.Pixels), with Pillow only: no torchvision, no transformers.
 
     image (a path, bytes, or a PIL image)
-      -> decoded, its decoded size capped (MAX_IMAGE_PIXELS), EXIF orientation applied (paths and bytes)
+      -> decoded, its decoded size capped (MAX_IMAGE_PIXELS, read from the header first: `peek`), EXIF
+         orientation applied (paths and bytes)
       -> RGB: transparency composited onto white, every other mode (L, P, CMYK, I;16, ...) converted
       -> resized (bicubic) to the largest H' x W' of whole cells (k x p pixels) with (H'/p)(W'/p) <= k^2 x
-         budget, aspect ratio kept, up or down
+         budget, aspect ratio kept, up or down (`resize_image`: what is kept of the decoded image)
       -> / 255 (in float64, then float32), cut into p x p patches (row-major; inside a patch: row, column,
          channel), each with its (column, row); padded to k^2 x budget rows with zeros and (-1, -1)
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,31 +49,44 @@ def open_image(source, what: str = "image"):
     """A decoded PIL image from a path, bytes or a PIL image, with a ValueError naming `what` for anything
     that is not one (not an image, truncated, empty, too many pixels). Paths and bytes get their EXIF
     orientation applied, as transformers does for the images it loads itself."""
-    Image, ImageOps = _pil()
+    Image, _ = _pil()
     if isinstance(source, Image.Image):
-        image = source
+        _check_size(source, what)
+        return source
+    return decode(peek(source, what), what)
+
+
+def peek(source, what: str = "image"):
+    """The image of a path or bytes with only its header read: its size and mode known (the size checked
+    against MAX_IMAGE_PIXELS), its pixels not decoded yet (`decode` does that)."""
+    Image, _ = _pil()
+    if isinstance(source, str | Path):
+        try:
+            data = Path(source).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{what}: cannot read {source} ({e.strerror or e})") from None
+    elif isinstance(source, bytes | bytearray | memoryview):
+        data = bytes(source)
     else:
-        if isinstance(source, str | Path):
-            try:
-                data = Path(source).read_bytes()
-            except OSError as e:
-                raise ValueError(f"{what}: cannot read {source} ({e.strerror or e})") from None
-        elif isinstance(source, bytes | bytearray | memoryview):
-            data = bytes(source)
-        else:
-            raise ValueError(f"{what}: expected a path, bytes or a PIL image (got {type(source).__name__})")
-        try:
-            image = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as e:  # far past our own cap: Pillow refuses it at once
-            raise ValueError(f"{what} has more pixels than an image may have ({e})") from None
-        except (Image.UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{what} is not an image Pillow can read ({e})") from None
-        _check_size(image, what)
-        try:
-            image.load()
-            image = ImageOps.exif_transpose(image)
-        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
-            raise ValueError(f"{what} could not be decoded: {e}") from None
+        raise ValueError(f"{what}: expected a path, bytes or a PIL image (got {type(source).__name__})")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:  # far past our own cap: Pillow refuses it at once
+        raise ValueError(f"{what} has more pixels than an image may have ({e})") from None
+    except (Image.UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{what} is not an image Pillow can read ({e})") from None
+    _check_size(image, what)
+    return image
+
+
+def decode(image, what: str = "image"):
+    """An image from `peek` decoded, its EXIF orientation applied in place (no second full-size copy)."""
+    _, ImageOps = _pil()
+    try:
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)
+    except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+        raise ValueError(f"{what} could not be decoded: {e}") from None
     _check_size(image, what)
     return image
 
@@ -84,12 +100,13 @@ def _check_size(image, what: str) -> None:
 
 
 def to_rgb(image):
-    """RGB, with any transparency composited onto white (as transformers' convert_to_rgb)."""
+    """RGB, with any transparency composited onto white (as transformers' convert_to_rgb); an RGB image
+    without transparency is returned as it is, not copied."""
     Image, _ = _pil()
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def check_budget(budget: int) -> int:
@@ -144,6 +161,46 @@ def count_soft_tokens(
     return (th // patch_size) * (tw // patch_size) // pooling_kernel_size**2
 
 
+@dataclass(frozen=True)
+class Resized:
+    """An image in RGB at its target size for `budget` soft tokens of a tower's geometry (resize_image makes
+    it): preprocess takes it as it is. What the server keeps of a decoded image (server/media.py)."""
+
+    image: Any  # a PIL image
+    budget: int
+    patch_size: int = PATCH
+    pooling_kernel_size: int = KERNEL
+
+
+def resize_image(
+    source,
+    budget: int = DEFAULT_BUDGET,
+    what: str = "image",
+    *,
+    patch_size: int = PATCH,
+    pooling_kernel_size: int = KERNEL,
+) -> Resized:
+    """An image (a path, bytes, a PIL image, or a Resized for the same budget and geometry) decoded, in RGB
+    and resized (bicubic) to its target size: the first half of preprocess. The decoded image is let go as
+    soon as the resized one exists."""
+    Image, _ = _pil()
+    check_budget(budget)
+    if isinstance(source, Resized):
+        made = (source.budget, source.patch_size, source.pooling_kernel_size)
+        if made != (budget, patch_size, pooling_kernel_size):
+            raise ValueError(
+                f"{what} was resized for (budget, patch_size, pooling_kernel_size) {made}, not "
+                f"{(budget, patch_size, pooling_kernel_size)}"
+            )
+        return source
+    image = to_rgb(open_image(source, what))
+    w, h = image.size
+    th, tw = target_size(h, w, budget, patch_size, pooling_kernel_size)
+    if (th, tw) != (h, w):
+        image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
+    return Resized(image, budget, patch_size, pooling_kernel_size)
+
+
 def preprocess(
     images: Sequence,
     budget: int = DEFAULT_BUDGET,
@@ -152,24 +209,20 @@ def preprocess(
     patch_size: int = PATCH,
     pooling_kernel_size: int = KERNEL,
 ) -> tuple[Pixels, list[int]]:
-    """Images (paths, bytes or PIL images) -> the tower's Pixels and each image's soft-token count (the
-    number of placeholders its prompt needs), cut for a tower of `patch_size` and `pooling_kernel_size`
-    (geometry(config) gives a checkpoint's). Errors name `what` and the image's index."""
-    Image, _ = _pil()
+    """Images (paths, bytes, PIL images or Resized) -> the tower's Pixels and each image's soft-token count
+    (the number of placeholders its prompt needs), cut for a tower of `patch_size` and `pooling_kernel_size`
+    (geometry(config) gives a checkpoint's). One image is decoded at a time. Errors name `what` and the
+    image's index."""
     check_budget(budget)
     pool = pooling_kernel_size**2
     rows = budget * pool
     values = torch.zeros(len(images), rows, 3 * patch_size**2)
     positions = torch.full((len(images), rows, 2), -1, dtype=torch.long)
     counts = []
+    cut = {"patch_size": patch_size, "pooling_kernel_size": pooling_kernel_size}
     for i, source in enumerate(images):
         name = f"{what} {i}" if len(images) > 1 else what
-        image = to_rgb(open_image(source, name))
-        w, h = image.size
-        th, tw = target_size(h, w, budget, patch_size, pooling_kernel_size)
-        if (th, tw) != (h, w):
-            image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
-        patches, xy = patchify(image, patch_size)
+        patches, xy = patchify(resize_image(source, budget, name, **cut).image, patch_size)
         values[i, : len(patches)] = patches
         positions[i, : len(patches)] = xy
         counts.append(len(patches) // pool)

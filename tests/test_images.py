@@ -267,3 +267,27 @@ def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
     args = ["generate", "-m", str(path), "-p", "what?", "--image", str(tmp_path / "b.png"), "--max-soft-tokens", "70"]
     assert main([*args, "--max-new-tokens", "3", "--max-denoising-steps", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] <= 3
+
+
+def _encoded(picture, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    picture.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_what_is_kept_of_a_decoded_image_is_its_target_size(fmt):
+    """resize_image (what the server keeps of each image part) is the image at its target size, and its
+    pixels are the processor's on the full-size decode: decoding is bounded by how many full-size images
+    exist at once (server/media.py), not by decoding smaller (JPEG draft, reduce), which would change them."""
+    data = _encoded(_picture(3000, 2000, seed=6), fmt)
+    resized = images.resize_image(data, 280)
+    assert resized.image.size == (960, 624) and resized.image.mode == "RGB"
+    assert images.target_size(2000, 3000, 280) == (624, 960)
+    ours, counts = images.preprocess([resized], 280)
+    _same(ours, counts, _oracle(280)(images=[Image.open(io.BytesIO(data))], return_tensors="pt"))
+    assert torch.equal(images.preprocess([data], 280)[0].values, ours.values)
+    with pytest.raises(ValueError, match="was resized for"):  # kept for one budget, asked for another
+        images.preprocess([resized], 70)
+    rgb = _picture(64, 48)
+    assert images.to_rgb(rgb) is rgb  # no copy of an image that is RGB already

@@ -17,8 +17,6 @@ engine (choices.py), whose pieces are sent as SSE chunks or gathered into one JS
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import functools
 import json
@@ -39,7 +37,7 @@ except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
 
 from ..editing import InfillPlan, canvas_logprobs, choose_middle, plan_infill
 from ..engine import Engine
-from ..images import DEFAULT_BUDGET, chat_prompt, open_image
+from ..images import DEFAULT_BUDGET, chat_prompt
 from ..model import DiffusionGemma
 from ..runner import as_runner
 from ..settings import SETTINGS, SamplingParams
@@ -47,6 +45,7 @@ from ..structured import json_text
 from ..tool_calls import CALL_OPEN, call_text
 from . import choices as runs
 from . import logprobs as logprob_blocks
+from . import media
 from .guard import Guard
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
@@ -402,7 +401,7 @@ async def _chat(served: _Served, body: ChatCompletionRequest, http: Request):
     chars = sum(len(m.text()) for m in body.messages) + len(json.dumps(calls))
     _check_chars(served, chars + len(json.dumps(tools or [])), "messages")
     thinking = True if body.reasoning else None
-    messages = await _decode_images(served, body, messages)
+    messages = await media.decode_image_parts(served.model, body, messages)
     budget = body.max_soft_tokens or DEFAULT_BUDGET
     prompt, pixels = await _tokenize(
         served,
@@ -558,28 +557,6 @@ async def _chosen(served: _Served, body, prompts: list[list[int]], requested: in
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-
-
-async def _decode_images(served: _Served, body: ChatCompletionRequest, messages: list[dict]) -> list[dict]:
-    """Image parts (data: URLs) decoded on worker threads into {"type": "image", "image": PIL image} parts;
-    a bad image is a 400 naming its part (messages.i.content.j)."""
-    wanted = [(i, j, url) for i, m in enumerate(body.messages) for j, url in m.image_urls()]
-    if not wanted:
-        return messages
-    if served.model.vision_tower is None:
-        i, j, _ = wanted[0]
-        raise ApiError(
-            400, "this model reads text only (its checkpoint has no vision tower)", f"messages.{i}.content.{j}"
-        )
-    for i, j, url in wanted:
-        where = f"messages.{i}.content.{j}"
-        try:
-            data = base64.b64decode(url.split(",", 1)[1], validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, f"{where}: the data: URL is not valid base64", where) from None
-        picture = await _tokenize(served, open_image, data, where, param=where)
-        messages[i]["content"][j] = {"type": "image", "image": picture}
-    return messages
 
 
 async def _gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str]]:
