@@ -79,7 +79,9 @@ def stream_ar(
         if all(reasons):
             break
         step_mask = None if bool(alive.all()) else alive[:, None]
-        logits = runner.encode(nxt[:, None], cache, attention_mask=step_mask, return_logits=True).logits[:, -1]
+        logits = runner.encode(
+            nxt[:, None], cache, attention_mask=step_mask, return_logits=True, is_generated=True
+        ).logits[:, -1]
         passes += 1
     result = _result(out, reasons, passes, [len(r) for r in rows], t0, first, pad, max_new_tokens)
     if tokenizer is not None:

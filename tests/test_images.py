@@ -269,6 +269,36 @@ def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] <= 3
 
 
+def test_training_cuts_images_as_the_checkpoint_says(second_geometry, tmp_path):
+    """dgemma train on records with images, at a second geometry: each record's images are counted and cut
+    into the tower's 14-pixel patches pooled 2 x 2 (not Gemma 4's 16 and 3), and the steps run."""
+    import json
+
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.trainer import load_data, prepare, train
+
+    path, oracle = second_geometry
+    for i, (w, h) in enumerate([(160, 90), (40, 300)]):
+        _picture(w, h, seed=i).save(tmp_path / f"{i}.png")
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(2):
+            user = [{"type": "image", "image": f"{i}.png"}, {"type": "text", "text": "what?"}]
+            record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "this"}]}
+            f.write(json.dumps({**record, "max_soft_tokens": 70}) + "\n")
+    sections = {
+        "model": {"path": str(path)},
+        "data": {"train": str(tmp_path / "data.jsonl"), "max_length": 160},
+        "train": {"steps": 2, "batch_size": 2, "out_dir": str(tmp_path / "run")},
+    }
+    cfg = TrainConfig.from_dict(sections, base_dir=tmp_path)
+    model, tok, _ = prepare(cfg, multi_process=False)
+    examples = load_data(cfg, tok, model)[0]
+    expected = [images.count_soft_tokens(tmp_path / f"{i}.png", 70, **SECOND) for i in range(2)]
+    image_id = oracle.config.image_token_id
+    assert [ex.prompt.count(image_id) for ex in examples] == expected
+    assert all(torch.isfinite(torch.tensor(train(cfg, progress=False).losses)))
+
+
 def _encoded(picture, fmt: str) -> bytes:
     buf = io.BytesIO()
     picture.save(buf, format=fmt)

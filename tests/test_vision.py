@@ -312,6 +312,17 @@ def test_an_engine_batch_goes_on_when_a_canvas_draws_the_placeholder(pair):
     assert second.tokens == alone
 
 
+def test_ar_decoding_feeds_back_a_drawn_placeholder(pair):
+    """Token-by-token decoding may pick the placeholder id too; it is fed back as a generated token, not
+    refused as a prompt without images."""
+    from dgemma.ar import generate_ar
+
+    _, model = pair
+    with _likely(IMAGE, model, factor=12.0):
+        tokens = generate_ar(model, _text(6, 17), 6, stop_token_ids=[]).tokens[0]
+    assert len(tokens) == 6 and IMAGE in tokens[:-1]
+
+
 def test_a_prompt_with_placeholders_and_no_images_is_still_refused(pair):
     """Only generated tokens may hold the placeholder without images: a prompt that does is refused, in
     both modes and on the fast modules, and a commit takes no images."""

@@ -46,6 +46,7 @@ class Example:
     pinned: tuple[bool, ...] | None = None  # response positions given at inference (never noised, not scored)
     images: tuple[str, ...] = ()  # the prompt's images (paths), in order
     image_budget: int = 280  # their max_soft_tokens
+    image_geometry: tuple[int, int] = (16, 3)  # the tower's (patch_size, pooling_kernel_size) they are cut for
 
 
 class DataError(ValueError):
@@ -139,9 +140,12 @@ def load_jsonl(
     max_length: int,
     use_chat_template: bool = True,
     image_tokens: tuple[str, str, str] | None = None,
+    image_geometry: dict[str, int] | None = None,
 ) -> tuple[list[Example], dict[str, int]]:
     """Tokenised examples of a JSONL file and counts of what was kept, truncated and skipped.
-    `image_tokens` (dgemma.images.image_token_strings) lets records hold images."""
+    `image_tokens` (dgemma.images.image_token_strings) lets records hold images, cut as `image_geometry`
+    says (dgemma.images.geometry(config); Gemma 4's patch 16 and pooling 3 without it)."""
+    cut = image_geometry or {"patch_size": 16, "pooling_kernel_size": 3}
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training data {path} not found")
@@ -155,7 +159,7 @@ def load_jsonl(
                 record = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise _fail(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from e
-            pictures, budget, counts_of = _record_images(record, path, line_no, image_tokens)
+            pictures, budget, counts_of = _record_images(record, path, line_no, image_tokens, cut)
             images = None if not pictures else (image_tokens, counts_of)
             prompt, response = tokenize_record(record, tokenizer, vocab_size, path, line_no, use_chat_template, images)
             pinned = record.get("pinned")
@@ -178,14 +182,16 @@ def load_jsonl(
                 response = response[: max_length - len(prompt)]
                 pinned = None if pinned is None else pinned[: len(response)]
                 counts["truncated"] += 1
-            examples.append(Example(prompt, response, truncated, line_no, pinned, pictures, budget))
+            geometry = (cut["patch_size"], cut["pooling_kernel_size"])
+            examples.append(Example(prompt, response, truncated, line_no, pinned, pictures, budget, geometry))
     if not examples:
         raise DataError(f"{path}: no usable examples ({counts})")
     return examples, counts
 
 
-def _record_images(record, path: Path, line: int, image_tokens) -> tuple[tuple[str, ...], int, list[int]]:
-    """A chat record's image paths (resolved), budget, and each image's soft-token count."""
+def _record_images(record, path: Path, line: int, image_tokens, cut) -> tuple[tuple[str, ...], int, list[int]]:
+    """A chat record's image paths (resolved), budget, and each image's soft-token count (cut: the tower's
+    patch_size and pooling_kernel_size)."""
     from .. import images
 
     messages = record.get("messages") if isinstance(record, dict) else None
@@ -203,7 +209,7 @@ def _record_images(record, path: Path, line: int, image_tokens) -> tuple[tuple[s
     paths = tuple(str(path.parent / src) for _, src, _ in found)
     try:
         images.check_budget(budget)
-        counts = [images.count_soft_tokens(p, budget) for p in paths]
+        counts = [images.count_soft_tokens(p, budget, **cut) for p in paths]
     except ValueError as e:
         raise _fail(path, line, str(e)) from e
     return paths, budget, counts

@@ -199,7 +199,11 @@ def assemble(
 
 def _batch_pixels(examples: list[Example]) -> Pixels | None:
     """The images of a batch's prompts, preprocessed now (examples keep paths, not pixels)."""
-    groups = [preprocess(ex.images, ex.image_budget)[0] for ex in examples if ex.images]
+    groups = []
+    for ex in examples:
+        if ex.images:
+            patch, pooling = ex.image_geometry
+            groups.append(preprocess(ex.images, ex.image_budget, patch_size=patch, pooling_kernel_size=pooling)[0])
     return Pixels.cat(groups) if groups else None
 
 

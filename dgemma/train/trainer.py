@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..config import DiffusionGemmaConfig, TextConfig, preset
+from ..images import GEMMA4_IMAGE_TOKENS, geometry, image_token_strings
 from ..model import DiffusionGemma, build
 from ..quant import quantize_model
 from ..tokenizer import Tokenizer
@@ -112,7 +113,6 @@ def prepare(cfg: TrainConfig, *, multi_process: bool = True) -> tuple[DiffusionG
 
 def _add_vision(config: DiffusionGemmaConfig, vision: dict, tokenizer: Tokenizer | None) -> None:
     """model.vision: a tower on a preset, its image tokens taken from the tokenizer."""
-    from ..images import GEMMA4_IMAGE_TOKENS
     from ..vision import VisionConfig
 
     if tokenizer is None:
@@ -179,8 +179,6 @@ def load_data(
     counts of kept, truncated and skipped records. Records may hold images when the model has a tower."""
     image_tokens = None
     if tokenizer is not None and model.vision_tower is not None:
-        from ..images import image_token_strings
-
         try:
             image_tokens = image_token_strings(tokenizer, model.config)
         except ValueError:
@@ -194,6 +192,7 @@ def load_data(
             max_length=cfg.data.max_length,
             use_chat_template=cfg.data.chat_template,
             image_tokens=image_tokens,
+            image_geometry=geometry(model.config),
         )
 
     examples, counts = read(cfg.data.train)
