@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from ..images import KERNEL, PATCH
+from ..images import geometry as tower_geometry
+
 
 @dataclass(frozen=True)
 class Example:
@@ -46,7 +49,7 @@ class Example:
     pinned: tuple[bool, ...] | None = None  # response positions given at inference (never noised, not scored)
     images: tuple[str, ...] = ()  # the prompt's images (paths), in order
     image_budget: int = 280  # their max_soft_tokens
-    image_geometry: tuple[int, int] = (16, 3)  # the tower's (patch_size, pooling_kernel_size) they are cut for
+    image_geometry: tuple[int, int] = (PATCH, KERNEL)  # the tower's patch_size, pooling_kernel_size
 
 
 class DataError(ValueError):
@@ -145,7 +148,7 @@ def load_jsonl(
     """Tokenised examples of a JSONL file and counts of what was kept, truncated and skipped.
     `image_tokens` (dgemma.images.image_token_strings) lets records hold images, cut as `image_geometry`
     says (dgemma.images.geometry(config); Gemma 4's patch 16 and pooling 3 without it)."""
-    cut = image_geometry or {"patch_size": 16, "pooling_kernel_size": 3}
+    cut = image_geometry or tower_geometry(None)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training data {path} not found")
