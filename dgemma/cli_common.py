@@ -139,12 +139,23 @@ def quant_spec(args: argparse.Namespace):
     return QuantSpec.of(args.quant, args.group_size, "symmetric" if fmt == "compressed-tensors" else "mid")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# What travels with a written checkpoint besides its weights and config: the tokenizer, the chat template,
+# and the image processor's files (vLLM builds DiffusionGemma's multimodal processor from the model directory)
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
 
 
 def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -> list[Path]:
-    """Write `model` at `out` in --format, with the tokenizer of `source` (its files beside the weights,
-    or inside the .gguf); returns the files written."""
+    """Write `model` at `out` in --format, with the tokenizer, chat template and image processor files of
+    `source` (SIDE_FILES, beside the weights; inside the .gguf, the tokenizer only); returns the files
+    written."""
     import shutil
 
     from .tokenizer import Tokenizer
@@ -158,7 +169,7 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -
         tokenizer = Tokenizer.from_dir(source) if (source / "tokenizer.json").is_file() else None
         return [write(model, path, kind, tokenizer=tokenizer)]
     save(model, out, format=args.format)
-    for name in TOKENIZER_FILES:
+    for name in SIDE_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
     return sorted(out.glob("*.safetensors"))

@@ -358,14 +358,12 @@ class TextConfig:
             raise ValueError(f"invalid text_config: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
-        """The config.json `text_config` dict, in the form transformers writes and reads back."""
+        """The config.json `text_config` dict in the released checkpoint's form: the global layers' head
+        size and KV heads as `global_head_dim` / `num_global_key_value_heads` with `attention_k_eq_v`
+        (their V is their K), which transformers 5.23 turns into its `per_layer_config` on reading and
+        vLLM reads as they are (vLLM knows no `per_layer_config`)."""
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        global_head_dim = d.pop("global_head_dim")
-        num_global_kv = d.pop("num_global_key_value_heads")
-        overrides: dict[str, Any] = {"head_dim": global_head_dim}
-        if num_global_kv is not None:
-            overrides["num_key_value_heads"] = num_global_kv
-        d["per_layer_config"] = {str(i): dict(overrides) for i, t in enumerate(self.layer_types) if t == FULL}
+        d["attention_k_eq_v"] = True
         d["model_type"] = "diffusion_gemma_text"
         d["hidden_activation"] = "gelu_pytorch_tanh"
         d["tie_word_embeddings"] = True

@@ -36,6 +36,7 @@ from .config import DiffusionGemmaConfig, GenerationConfig
 from .gguf_file import GGUFSource, gguf_path
 from .gguf_file import read_config as read_gguf_config
 from .model import DiffusionGemma, Experts
+from .modelopt import ModelOptSource, check_modelopt, compressed_tensors_config, modelopt_config
 from .quant import (
     QuantSpec,
     Spec,
@@ -200,7 +201,8 @@ def load(
     (dgemma.quant) are quantized as they are read, tensor by tensor (the stacked experts expert by
     expert), so the full precision model is never in memory. A checkpoint that is already quantized
     loads quantized as stored: one written by dgemma (`config.json` has a `quantization` block), or a
-    compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; dgemma/compressed_tensors.py).
+    compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; dgemma/compressed_tensors.py), or
+    NVIDIA ModelOpt NVFP4 (dgemma/modelopt.py).
     `path` may also be a GGUF file of llama.cpp's DiffusionGemma conversion (or a directory holding one):
     dgemma/gguf_file.py.
 
@@ -274,9 +276,13 @@ def _open(directory: Path):
     source = _TensorSource(_weight_files(directory))
     config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
     raw = json.loads((directory / "config.json").read_text())
+    experts = config.text_config.num_experts or 0
     if is_compressed_tensors(raw):
-        experts = config.text_config.num_experts or 0
         return config, generation, CompressedSource(source, raw["quantization_config"], experts), None
+    if (block := modelopt_config(directory, raw)) is not None:  # NVIDIA's NVFP4, read as compressed-tensors
+        kv_cache = check_modelopt(block, f"{directory.name}'s ModelOpt quantization config")
+        ct = compressed_tensors_config()
+        return config, generation, CompressedSource(ModelOptSource(source, kv_cache), ct, experts), None
     return config, generation, source, _stored_quantization(directory)
 
 

@@ -77,15 +77,29 @@ def test_reads_transformers_config_json(moe_ckpt):
     assert config.canvas_length == 8 and config.vision_config is not None
 
 
-def test_written_config_reads_back_in_transformers():
-    from transformers import DiffusionGemmaConfig as HFConfig
+@pytest.mark.parametrize("name", ["26b-a4b", "tiny"])
+def test_written_config_reads_back_in_transformers(name, tmp_path):
+    """config.json carries the global layers' sizes in the release's form, the one vLLM reads
+    (`global_head_dim`, `num_global_key_value_heads`; vLLM knows no `per_layer_config`), and transformers
+    5.23 builds the same per-layer sizes from it, at two geometries."""
+    from transformers import AutoConfig
 
-    ours = preset("26b-a4b")
-    theirs = HFConfig(**{k: v for k, v in ours.to_dict().items() if k != "architectures"})
-    assert theirs.text_config.per_layer_config[5].head_dim == 512
-    assert theirs.text_config.per_layer_config[5].num_key_value_heads == 2
-    assert theirs.text_config.per_layer_config[0].head_dim == 256
-    assert DiffusionGemmaConfig.from_dict(ours.to_dict()) == ours
+    ours = preset(name)
+    written = ours.to_dict()
+    text = written["text_config"]
+    assert "per_layer_config" not in text and text["attention_k_eq_v"] is True
+    assert (text["global_head_dim"], text["num_global_key_value_heads"]) == (
+        ours.text_config.global_head_dim,
+        ours.text_config.num_global_key_value_heads,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    theirs = AutoConfig.from_pretrained(tmp_path).text_config
+    for i, layer in enumerate(ours.text_config.layers):
+        assert (theirs.per_layer_config[i].head_dim, theirs.per_layer_config[i].num_key_value_heads) == (
+            layer.head_dim,
+            layer.num_key_value_heads,
+        )
+    assert DiffusionGemmaConfig.from_dict(written) == ours
 
 
 def test_global_head_dim_form_and_defaults():
@@ -143,7 +157,6 @@ def test_last_layer_forced_global_like_the_reference():
 )
 def test_validation_errors_name_the_field(change, message):
     d = preset("tiny").text_config.to_dict()
-    d.pop("per_layer_config")
     d.update(change)
     with pytest.raises(ValueError, match=message):
         TextConfig.from_dict(d)
@@ -227,7 +240,11 @@ def _without(d: dict, key: str) -> dict:
             lambda d: d["text_config"]["rope_parameters"]["full_attention"].update(rope_theta="1e6"),
             "text_config rope_parameters['full_attention']: rope_theta must be a number (got '1e6')",
         ),
-        (lambda d: d["text_config"]["per_layer_config"]["5"].update(head_dim="32"), "per_layer_config: head_dim must"),
+        (
+            lambda d: d["text_config"].update(per_layer_config={"5": {"head_dim": "32"}}),
+            "per_layer_config: head_dim must",
+        ),
+        (lambda d: d["text_config"].update(global_head_dim="32"), "global_head_dim must be an integer"),
         (lambda d: d.update(canvas_length="8"), "config.json: canvas_length must be an integer (got '8')"),
         (lambda d: d.update(boi_token_id=1.5), "boi_token_id must be an integer or null (got 1.5)"),
         (

@@ -1,0 +1,130 @@
+"""NVIDIA ModelOpt NVFP4 checkpoints (`nvidia/diffusiongemma-26B-A4B-it-NVFP4`) read as they are.
+
+ModelOpt stores each quantized Linear `<m>` as
+  `<m>.weight`          uint8 [O, I/2]   two e2m1 codes a byte, even column in the low nibble
+  `<m>.weight_scale`    e4m3  [O, I/16]  one scale per 16 inputs
+  `<m>.weight_scale_2`  fp32  scalar     w = e2m1 * weight_scale * weight_scale_2
+  `<m>.input_scale`     fp32  scalar     the calibrated activation scale (W4A4)
+and says so in config.json (`quantization_config: {quant_method: "modelopt", quant_algo: "NVFP4", ...}`)
+or in hf_quant_config.json (`{"quantization": {"quant_algo": "NVFP4", ...}}`). Unquantized modules
+(those the file's exclude list names: lm_head, the router, the vision tower, ...) keep their dtype.
+
+This is compressed-tensors' NVFP4 under other names, with the global scales inverted: its
+`weight_global_scale` is 1 / `weight_scale_2` (and `input_global_scale` 1 / `input_scale`), so the file is
+presented to dgemma/compressed_tensors.py's reader under those names (ModelOptSource) and read by it:
+one reader, checked once. The compressed-tensors library's `ModelOptNvfp4Converter` renames and inverts
+the same way; tests/test_modelopt.py loads a ModelOpt file and its conversion by that library and finds
+the same weights.
+
+A FP8 KV cache (`kv_cache_quant_algo`, `k_scale` / `v_scale` tensors) is reported and not used: dgemma
+keeps its KV cache in the model's dtype. Other ModelOpt algorithms (FP8, INT4 AWQ, W4A8, mixed) are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from .quant.formats import NVFP4_GROUP
+
+_RENAMED = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}  # inverted too
+_KV_SCALES = ("k_scale", "v_scale")
+
+
+def modelopt_config(directory: Path, config: dict) -> dict | None:
+    """The ModelOpt quantization block of a checkpoint (config.json's `quantization_config` when its
+    quant_method is "modelopt", else hf_quant_config.json's `quantization`), or None when it has none."""
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
+        return qc
+    side = directory / "hf_quant_config.json"
+    if not side.is_file():
+        return None
+    try:
+        block = json.loads(side.read_text()).get("quantization")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{side} is not a ModelOpt quantization file: {e}") from e
+    if not isinstance(block, dict):
+        raise ValueError(f"{side} has no 'quantization' object")
+    return block
+
+
+def check_modelopt(block: dict, where: str = "the ModelOpt config") -> bool:
+    """Refuse what dgemma cannot run (a ValueError naming the key); True when the file holds a quantized
+    KV cache that will not be used."""
+    algo = block.get("quant_algo")
+    if algo != "NVFP4":
+        raise ValueError(f"{where}: quant_algo {algo!r} is not supported by dgemma (only NVFP4 is)")
+    group = block.get("group_size", NVFP4_GROUP)
+    if group != NVFP4_GROUP:
+        raise ValueError(f"{where}: NVFP4 needs group_size {NVFP4_GROUP}, got {group!r}")
+    return bool(block.get("kv_cache_quant_algo"))
+
+
+def compressed_tensors_config() -> dict:
+    """The compressed-tensors `quantization_config` a ModelOpt NVFP4 file reads as: NVFP4 for every
+    Linear that holds codes (ModelOptSource decides which do, by their tensors)."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": "nvfp4-pack-quantized"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": [],
+    }
+
+
+class ModelOptSource:
+    """A ModelOpt NVFP4 checkpoint's tensors under compressed-tensors' names (the tensor source interface
+    of dgemma/weights.py: names, shape, dtype, get, take): a module with a `weight_scale_2` has its uint8
+    `weight` as `weight_packed` and its `weight_scale_2` / `input_scale` inverted into
+    `weight_global_scale` / `input_global_scale`; the KV cache scales are dropped with a warning."""
+
+    def __init__(self, source, kv_cache: bool = False):
+        self.source = source
+        quantized = {n.rpartition(".")[0] for n in source.names() if n.endswith(".weight_scale_2")}
+        self.map: dict[str, str] = {}  # our name -> the file's
+        dropped = []
+        for name in source.names():
+            module, _, local = name.rpartition(".")
+            if local in _KV_SCALES:
+                dropped.append(name)
+                continue
+            if module in quantized and local == "weight":
+                if source.dtype(name) != "U8":
+                    raise ValueError(f"{name}: a ModelOpt NVFP4 weight is uint8 codes, not {source.dtype(name)}")
+                local = "weight_packed"
+            elif local in _RENAMED and module in quantized:
+                local = _RENAMED[local]
+            elif local in _RENAMED:
+                raise ValueError(f"{name} has no weight_scale_2 beside it: a scale of no NVFP4 weight")
+            self.map[f"{module}.{local}"] = name
+        if dropped or kv_cache:
+            warnings.warn(
+                f"the checkpoint's FP8 KV cache scales ({len(dropped)} tensors) are not used: dgemma keeps "
+                "its KV cache in the model's dtype",
+                stacklevel=3,
+            )
+
+    def names(self) -> list[str]:
+        return list(self.map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.source.shape(self.map[name]))
+
+    def dtype(self, name: str) -> str:
+        return self.source.dtype(self.map[name])
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.source.get(self.map[name])
+        if name.endswith(("weight_global_scale", "input_global_scale")):
+            return (1 / t.float()).reshape(1)  # fp32, as compressed-tensors inverts it
+        return t
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.get(name) if name.endswith("_global_scale") else self.source.take(self.map[name])
