@@ -43,6 +43,7 @@ from .quant import (
     check_mode,
     describe_spec,
     describe_specs,
+    fused_group,
     quantized_buffer_names,
     quantized_weight_names,
     specs_of,
@@ -348,12 +349,14 @@ def _read_state(model, source, primary: dict, device, target, quantize: QuantSpe
     stored = set() if quantize else quantized_buffer_names(model)
     codes = {n: model.get_buffer(n).dtype for n in quantized_weight_names(model)} if not quantize else {}
     state = {}
+    group_amax: dict[tuple[str, ...], torch.Tensor] = {}
     for ours, hf in primary.items():
         if ours in to_quantize:
             # through a mapping of its own: the bf16 pages read are released with the tensor, instead of
             # staying resident until every view of the checkpoint's mapping (the model's norms) is gone
             tensor = source.take(hf)
-            for suffix, t in quantized_buffers(tensor, quantize).items():
+            amax = _fused_amax(source, primary, ours, group_amax) if quantize.mode == "nvfp4" else None
+            for suffix, t in quantized_buffers(tensor, quantize, amax).items():
                 state[ours + suffix] = t.to(device)
             nbytes = tensor.nbytes
             del tensor
@@ -372,6 +375,17 @@ def _read_state(model, source, primary: dict, device, target, quantize: QuantSpe
     if report:
         report.done()
     return state
+
+
+def _fused_amax(source, primary: dict, ours: str, cache: dict) -> torch.Tensor | None:
+    """max|w| over the fused group (dgemma.quant.fused_group) of the Linear weight `ours`, read once per
+    group from the checkpoint; None for a weight in no group."""
+    group = tuple(f"{m}.weight" for m in fused_group(ours.removesuffix(".weight")))
+    if len(group) == 1:
+        return None
+    if group not in cache:
+        cache[group] = torch.stack([source.get(primary[w]).abs().amax().float() for w in group if w in primary]).amax()
+    return cache[group]
 
 
 def _stored_quantization(directory: Path) -> dict | None:

@@ -16,6 +16,7 @@ reads. What stays in the model's dtype, and why:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..model import DiffusionGemma, Experts
@@ -24,6 +25,8 @@ from .kernels import use_kernels
 from .modules import QuantExperts, QuantLinear
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Linears that vLLM runs as one matmul (qkv_proj, gate_up_proj): NVFP4 gives each group one global scale
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 Spec = QuantSpec | tuple[QuantSpec, QuantSpec]  # one module's; the experts' may be (gate_up_proj, down_proj)
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "check_mode",
     "dequantize",
     "describe",
+    "fused_group",
     "quantize",
     "quantize_model",
     "quantized_buffer_names",
@@ -56,6 +60,28 @@ def targets(model: DiffusionGemma) -> list[str]:
         if isinstance(module, Experts) or (isinstance(module, nn.Linear) and parts[-1] in QUANTIZED_LINEARS):
             out.append(name)
     return out
+
+
+def fused_group(name: str) -> list[str]:
+    """The Linears vLLM fuses the layer Linear `name` with, itself included (a layer's q / k / v
+    projections, its dense MLP's gate / up), in FUSED_GROUPS order; [name] for any other module."""
+    parent, _, child = name.rpartition(".")
+    for group in FUSED_GROUPS:
+        if child in group and parent.startswith("layers."):
+            return [f"{parent}.{c}" for c in group]
+    return [name]
+
+
+def _group_amax(model: DiffusionGemma, name: str) -> torch.Tensor:
+    """max|w| over the fused group of the Linear `name`, over the members the model has (no v_proj on
+    global layers); read before any of them is swapped."""
+    amax = []
+    for member in fused_group(name):
+        parent, _, child = member.rpartition(".")
+        linear = getattr(model.get_submodule(parent), child, None)
+        if isinstance(linear, nn.Linear):
+            amax.append(linear.weight.detach().abs().amax().float())
+    return torch.stack(amax).amax()
 
 
 def describe(mode: str, group_size: int | None) -> dict:
@@ -104,6 +130,12 @@ def swap_modules(model: DiffusionGemma, specs: dict[str, Spec], *, empty: bool =
     """Replace the named modules by quantized ones stored as their spec: quantizing their weights
     (dgemma's own formats), or (`empty`) with zero-filled buffers of the right shapes, to be filled from a
     checkpoint."""
+    amax = {  # nvfp4: one global scale per fused group, from the full-precision weights
+        name: _group_amax(model, name)
+        for name, spec in specs.items()
+        if not empty and isinstance(spec, QuantSpec) and spec.mode == "nvfp4"
+        and isinstance(model.get_submodule(name), nn.Linear)
+    }  # fmt: skip
     for name, spec in specs.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -118,7 +150,7 @@ def swap_modules(model: DiffusionGemma, specs: dict[str, Spec], *, empty: bool =
             if empty:
                 swapped = QuantLinear(module.in_features, module.out_features, spec)
             else:
-                swapped = QuantLinear.from_linear(module, spec).to(module.weight.device)
+                swapped = QuantLinear.from_linear(module, spec, amax.get(name)).to(module.weight.device)
         else:
             raise ValueError(f"{name} is a {type(module).__name__}; {spec} is for linear layers or experts")
         setattr(parent, child, swapped)

@@ -104,10 +104,13 @@ def _row_absmax(w: torch.Tensor) -> torch.Tensor:
     return w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def quantize(w: torch.Tensor, mode: str, group_size: int = 64, zero: str = "mid") -> Quantized:
+def quantize(
+    w: torch.Tensor, mode: str, group_size: int = 64, zero: str = "mid", amax: torch.Tensor | None = None
+) -> Quantized:
     """Quantize a weight `[..., out, in]` (any float dtype; computed in fp32). int4 codes are read as
     q + 0.5 (`zero="mid"`, dgemma's own: 16 levels symmetric about 0) or as q ("symmetric", the
-    compressed-tensors W4A16 layout that vLLM runs)."""
+    compressed-tensors W4A16 layout that vLLM runs). `amax`: nvfp4's global scale from this max|w|
+    instead of w's own (a fused group's, see quantize_nvfp4)."""
     check_mode(mode)
     if w.dim() < 2:
         raise ValueError(f"only matrices (or stacks of them) are quantized, got shape {tuple(w.shape)}")
@@ -122,7 +125,7 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64, zero: str = "mid"
         codes = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Quantized(mode, codes, scales, shape)
     if mode == "nvfp4":
-        return quantize_nvfp4(w)
+        return quantize_nvfp4(w, amax)
     n_in = shape[-1]
     if group_size <= 0 or n_in % group_size or group_size % 2:
         raise ValueError(f"int4 group_size must be even and divide the input size {n_in} (got {group_size})")
@@ -136,16 +139,22 @@ def quantize(w: torch.Tensor, mode: str, group_size: int = 64, zero: str = "mid"
     return Quantized(mode, pack_int4(codes.reshape(shape)), scales.squeeze(-1), shape, group_size, zero)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> Quantized:
+def quantize_nvfp4(w: torch.Tensor, amax: torch.Tensor | None = None) -> Quantized:
     """NVFP4 as compressed-tensors quantizes it (fp32 arithmetic in the same order, so the same bytes):
     global scale g = 448 * 6 / max|w| over the matrix, each 16-block's scale max|block| / 6 * g rounded
-    to e4m3 (0 -> 0.125), codes the e2m1 values nearest w / (scale / g) with that library's ties."""
+    to e4m3 (0 -> 0.125), codes the e2m1 values nearest w / (scale / g) with that library's ties.
+
+    `amax` (a 2-D weight's) replaces max|w| in g: the max over the fused group the matrix belongs to
+    (q / k / v, gate / up), so that the group shares one global scale, as llm-compressor writes it and
+    as vLLM, which runs the group as one matmul with one global scale, needs it."""
     shape, n_in = tuple(w.shape), w.shape[-1]
     if n_in % NVFP4_GROUP:
         raise ValueError(f"nvfp4 needs the input size to be a multiple of {NVFP4_GROUP} (got {n_in})")
     w = w.float()
     lead = w.dim() - 2  # one global scale per matrix of a stack
-    amax = w.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    if amax is None:
+        amax = w.abs().amax(dim=(-2, -1), keepdim=True)
+    amax = amax.float().reshape(*shape[:lead], 1, 1).clamp_min(torch.finfo(torch.float32).tiny)
     g = torch.nan_to_num(FP8_MAX * FP4_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
     blocks = w.reshape(*shape[:-1], n_in // NVFP4_GROUP, NVFP4_GROUP)
     scales = g.unsqueeze(-1) * (blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX)
@@ -161,12 +170,12 @@ def quantize_nvfp4(w: torch.Tensor) -> Quantized:
     return q
 
 
-def quantized_buffers(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+def quantized_buffers(w: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A weight or a stack of them (`[E, out, in]`, quantized one matrix at a time so only one is ever
     in fp32) as the buffers a module stored as `spec` holds, by suffix: "" (codes), "_scale", and for
-    nvfp4 "_global_scale"."""
+    nvfp4 "_global_scale" (from `amax`, a 2-D weight's fused group's max|w|, when given)."""
     args = (spec.mode, spec.group_size or w.shape[-1], spec.zero)
-    parts = [quantize(w, *args)] if w.dim() == 2 else [quantize(m, *args) for m in w]
+    parts = [quantize(w, *args, amax=amax)] if w.dim() == 2 else [quantize(m, *args) for m in w]
     out = {"": [q.codes for q in parts], "_scale": [q.scales for q in parts]}
     if spec.mode == "nvfp4":
         out["_global_scale"] = [q.global_scale for q in parts]

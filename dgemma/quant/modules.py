@@ -145,17 +145,18 @@ class QuantLinear(nn.Module):
         return self.spec.mode
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, spec: QuantSpec, amax: torch.Tensor | None = None) -> QuantLinear:
         if linear.bias is not None:
             raise ValueError("QuantLinear has no bias; DiffusionGemma's linear layers have none")
         module = cls(linear.in_features, linear.out_features, spec)
-        module.set_weight(linear.weight.detach())
+        module.set_weight(linear.weight.detach(), amax)
         return module
 
-    def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize `w` [out, in] into this module's buffers (dgemma's own format for the mode)."""
+    def set_weight(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """Quantize `w` [out, in] into this module's buffers (dgemma's own format for the mode; nvfp4's
+        global scale from `amax`, its fused group's max|w|, when given)."""
         _check_own(self.spec)
-        for suffix, t in quantized_buffers(w, self.spec).items():
+        for suffix, t in quantized_buffers(w, self.spec, amax).items():
             setattr(self, "weight" + suffix, t.to(self.weight.device))
 
     def quantized(self) -> Quantized:
