@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint_names import hf_name
 from .config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
 from .quant import QuantSpec
 from .quant.formats import pack_nibbles
@@ -270,8 +271,6 @@ class GGUFSource:
     scales (`specs`: by checkpoint module name), everything else decoded."""
 
     def __init__(self, path: Path, keep: set[str]):
-        from .weights import hf_name
-
         reader = _reader(path)
         self.entries: dict[str, tuple] = {}  # checkpoint name -> (how to read, the GGUF tensor(s), suffix)
         self.specs: dict[str, QuantSpec] = {}
@@ -314,8 +313,6 @@ class GGUFSource:
 
     def _keep_experts(self, tensors: dict, keep: set[str]) -> None:
         """A layer's experts stay quantized when both stacks are Q8_0 / Q4_0 (else they are decoded)."""
-        from .weights import hf_name
-
         for name, t in tensors.items():
             if not name.endswith("ffn_gate_up_exps.weight"):
                 continue
@@ -339,8 +336,6 @@ class GGUFSource:
 
     def _scalars(self, path: Path) -> None:
         """PR #24427 files carry one layer scalar: it serves the prompt pass too (reported)."""
-        from .weights import hf_name
-
         missing = []
         for name, entry in list(self.entries.items()):
             if name.endswith(".layer_scalar") and name.startswith("model.decoder."):

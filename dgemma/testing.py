@@ -129,8 +129,8 @@ def oracle_from_config(config, *, device: str | torch.device = "cpu", dtype: tor
 def model_sharing_oracle_weights(oracle, config):
     """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
     side-by-side speed measurements of models too large to hold twice."""
+    from .checkpoint_names import ENC, hf_name
     from .model import DiffusionGemma
-    from .weights import ENC, hf_name
 
     theirs = oracle.state_dict()
     with torch.device("meta"):

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .checkpoint_names import DEC, ENC, VISION, VISION_ROOT, hf_name, hf_state_dict
 from .compressed_tensors import CompressedSource, is_compressed_tensors
 from .config import DiffusionGemmaConfig, GenerationConfig
 from .gguf_file import GGUFSource, gguf_path
@@ -51,11 +51,8 @@ from .quant import (
     targets,
 )
 from .quant.formats import quantized_buffers
+from .vllm_export import export
 
-DEC = "model.decoder."
-ENC = "model.encoder.language_model."
-VISION_ROOT = "model.encoder."
-VISION = (VISION_ROOT + "vision_tower.", VISION_ROOT + "embed_vision.")
 _ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -431,20 +428,6 @@ def _listing(items: list[str], sep: str, limit: int = 12) -> str:
     return sep.join(items[:limit]) + more
 
 
-def hf_name(ours: str) -> str:
-    """The checkpoint's name of one of our parameter names (encoder scalars live under the encoder)."""
-    if ours.startswith(("vision_tower.", "embed_vision.")):
-        return VISION_ROOT + ours
-    m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", ours)
-    return f"{ENC}layers.{m.group(1)}.layer_scalar" if m else DEC + ours
-
-
-def hf_state_dict(model: DiffusionGemma) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's tensors under transformers' checkpoint names (each tied tensor once)."""
-    for name, t in model.state_dict().items():
-        yield hf_name(name), t
-
-
 # ------------------------------------------------------------------------------------------------
 # Writing
 
@@ -496,12 +479,14 @@ def save(
     max_shard_bytes: int = 5 * 2**30,
     generation_config: GenerationConfig | None = None,
     format: str = "dgemma",
+    input_ranges: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config, safetensors, optional index).
 
     `format`: "dgemma" (transformers' layout; a quantized model's codes and scales under dgemma's names,
     described by a `quantization` block) or "compressed-tensors" (a quantized model as vLLM and the
-    compressed-tensors library read it: dgemma/compressed_tensors.py). Every file is written to a
+    compressed-tensors library read it: dgemma/vllm_export.py; with `input_ranges`, the calibrated input
+    ranges of dgemma.quant.calibrate.input_amax, an NVFP4 model is written W4A4). Every file is written to a
     temporary name and renamed into place, so a crash leaves either the old file or the new one, never a
     torn one. The weight files go first and config.json last.
     """
@@ -510,10 +495,10 @@ def save(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     quantization_config = None
+    if input_ranges is not None and format != "compressed-tensors":
+        raise ValueError("calibrated input ranges (W4A4) are written in the compressed-tensors format only")
     if format == "compressed-tensors":
-        from .compressed_tensors import export
-
-        named, quantization_config = export(model)
+        named, quantization_config = export(model, input_ranges)
     else:
         named = dict(hf_state_dict(model))
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}

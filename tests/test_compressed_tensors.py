@@ -321,7 +321,7 @@ def test_nvfp4_activation_scales_are_reported_unused(source, tmp_path):
 EXPORTS = {
     "fp8": QuantSpec.of("fp8"),
     "int8": QuantSpec.of("int8"),
-    "int4": QuantSpec.of("int4", 16, "symmetric"),
+    "int4": QuantSpec.of("int4", 32, "symmetric"),
     "int4-channel": QuantSpec("int4", None, "symmetric"),
     "nvfp4": QuantSpec.of("nvfp4"),
 }
@@ -362,7 +362,7 @@ def _linears_of(model) -> list[str]:
 
 
 def _quantized_of(model, module: str):
-    from dgemma.compressed_tensors import _split_rows
+    from dgemma.vllm_export import _split_rows
 
     name = module.removeprefix(DEC)
     if ".experts." not in name:
@@ -393,12 +393,12 @@ def test_the_quantize_command_writes_what_vllm_serves(source, tmp_path, capsys):
     for f in source.iterdir():
         (tmp_path / "src" / f.name).write_bytes(f.read_bytes())
     out = tmp_path / "w4a16"
-    args = ["quantize", str(tmp_path / "src"), str(out), "--quant", "int4", "--group-size", "16"]
+    args = ["quantize", str(tmp_path / "src"), str(out), "--quant", "int4", "--group-size", "32"]
     assert main([*args, "--format", "compressed-tensors", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "compressed-tensors"
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"] | {"targets": qc["config_groups"]["group_0"]["targets"]} == {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16, "targets": ["Linear"],
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "targets": ["Linear"],
     }  # fmt: skip
     CompressedTensorsDequantizer(out).validate(load_file(out / "model.safetensors"))
     assert (out / "tokenizer.json").is_file()
