@@ -152,10 +152,10 @@ SIDE_FILES = (
 )
 
 
-def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -> list[Path]:
+def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path, input_ranges=None) -> list[Path]:
     """Write `model` at `out` in --format, with the tokenizer, chat template and image processor files of
     `source` (SIDE_FILES, beside the weights; inside the .gguf, the tokenizer only); returns the files
-    written."""
+    written. `input_ranges`: calibrated activation ranges, for an NVFP4 W4A4 compressed-tensors export."""
     import shutil
 
     from .tokenizer import Tokenizer
@@ -168,7 +168,7 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path) -
         path = out if out.suffix == ".gguf" else out / f"{source.name}-{kind}.gguf"
         tokenizer = Tokenizer.from_dir(source) if (source / "tokenizer.json").is_file() else None
         return [write(model, path, kind, tokenizer=tokenizer)]
-    save(model, out, format=args.format)
+    save(model, out, format=args.format, input_ranges=input_ranges)
     for name in SIDE_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)

@@ -184,3 +184,40 @@ def test_exports_refuse_what_vllm_cannot_run(wide, tmp_path):
         dgemma.save(model, tmp_path / "qkv", format="compressed-tensors")
     with pytest.raises(ValueError, match="W4A4"):
         dgemma.save(dgemma.load(wide, quant="int8"), tmp_path / "a", format="compressed-tensors", input_ranges={})
+
+
+def test_the_quantize_command_hands_off_to_vllm(wide, tmp_path, capsys):
+    """`dgemma quantize --format compressed-tensors`: says which vLLM path each export takes, refuses
+    group sizes Marlin lacks before reading anything, copies the processor files and chat template, and
+    with --calibrate writes a W4A4 NVFP4 file the walk accepts."""
+    from dgemma.cli import main
+    from dgemma.testing import make_tokenizer
+
+    src = tmp_path / "src"
+    make_tokenizer(512).save(src)
+    for f in wide.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    side = {"processor_config.json": "{}", "preprocessor_config.json": '{"patch_size": 16}', "chat_template.jinja": "x"}
+    for name, body in side.items():
+        (src / name).write_text(body)
+    words = " ".join(f"word{i % 97} and some text, {i}." for i in range(600))
+    (tmp_path / "calibration.jsonl").write_text("\n".join(json.dumps({"text": words[i::3]}) for i in range(3)))
+
+    def run(*extra: str) -> int:
+        return main(["quantize", str(src), *extra, "--format", "compressed-tensors", "--json", "--force"])
+
+    assert run(str(tmp_path / "w4a4"), "--quant", "nvfp4", "--calibrate", str(tmp_path / "calibration.jsonl"),
+               "--calibration-samples", "4") == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert "W4A4Fp4" in report["vllm"]
+    assert set(vllm_static.load(tmp_path / "w4a4").values()) == {"W4A4Fp4"}
+    assert all((tmp_path / "w4a4" / name).read_text() == body for name, body in side.items())
+    assert run(str(tmp_path / "int4"), "--quant", "int4", "--group-size", "128") == 0
+    assert "WNA16" in json.loads(capsys.readouterr().out)["vllm"]
+    assert run(str(tmp_path / "g16"), "--quant", "int4", "--group-size", "16") == 2
+    assert "32, 64 or 128" in capsys.readouterr().err and not (tmp_path / "g16").exists()
+    assert run(str(tmp_path / "c"), "--quant", "int8", "--calibrate", str(tmp_path / "calibration.jsonl")) == 2
+    assert "--calibrate writes NVFP4 W4A4" in capsys.readouterr().err
+    (tmp_path / "short.txt").write_text("too short")
+    assert run(str(tmp_path / "s"), "--quant", "nvfp4", "--calibrate", str(tmp_path / "short.txt")) == 2
+    assert "the calibration text has" in capsys.readouterr().err
