@@ -57,7 +57,7 @@ def check_modelopt(block: dict, where: str = "the ModelOpt config") -> bool:
     """Refuse what dgemma cannot run (a ValueError naming the key); True when the file holds a quantized
     KV cache that will not be used."""
     algo = block.get("quant_algo")
-    if algo != "NVFP4":
+    if not isinstance(algo, str) or algo.upper() != "NVFP4":  # vLLM reads it upper-cased too
         raise ValueError(f"{where}: quant_algo {algo!r} is not supported by dgemma (only NVFP4 is)")
     group = block.get("group_size", NVFP4_GROUP)
     if group != NVFP4_GROUP:

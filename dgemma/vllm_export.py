@@ -235,8 +235,9 @@ def export(model, input_amax: dict[str, torch.Tensor] | None = None) -> tuple[di
             tensors[f"{hf}.input_global_scale"] = _input_global_scale(input_amax[amax_key])
 
     for name, (q, spec) in linears.items():
-        group = fused_group(name)  # one activation range per fused group: the same input
-        put(name, q, spec, name if not w4a4 else max((m for m in group if m in input_amax), key=input_amax.get))
+        # one activation range per fused group (the same input): the largest its members saw
+        seen = [m for m in fused_group(name) if w4a4 and m in input_amax]
+        put(name, q, spec, max(seen, key=input_amax.get) if seen else name)
         members.setdefault(spec, []).append(name)
     for root, (module, spec) in experts.items():
         for e in range(module.shapes["gate_up_proj"][0]):

@@ -2,7 +2,8 @@
 
 Tiny checkpoints are written with the library's own qparam functions and compressors, in the layout
 published DiffusionGemma files use (each expert a Linear of its own, gate / up / down), for FP8-dynamic,
-W4A16 (symmetric and asymmetric, with the down projections per channel as published files do), W8A16
+W4A16 (symmetric and asymmetric, with the down projections per channel, as a writer at group 128 would
+store them: no published DiffusionGemma file is W4A16, ../shared/reference/formats.md §1.7), W8A16
 and NVFP4. dgemma loads them with the weights kept quantized; its dequantized weights equal the library's
 decompression bit for bit (fp32 and bf16 sources), and its logits equal those of the model the
 library's dequantized weights make, to fp32 rounding.
@@ -38,7 +39,7 @@ def _scheme(name: str, targets: list[str], **weights) -> QuantizationScheme:
     return scheme
 
 
-# name -> config groups in priority order (first matching), as published files do for DiffusionGemma
+# name -> config groups in priority order (first matching), in the layouts llm-compressor writes
 SCHEMES = {
     "fp8_dynamic": [_scheme("FP8_DYNAMIC", ["Linear"])],
     "w4a16": [

@@ -184,6 +184,10 @@ def test_exports_refuse_what_vllm_cannot_run(wide, tmp_path):
         dgemma.save(model, tmp_path / "qkv", format="compressed-tensors")
     with pytest.raises(ValueError, match="W4A4"):
         dgemma.save(dgemma.load(wide, quant="int8"), tmp_path / "a", format="compressed-tensors", input_ranges={})
+    with pytest.raises(ValueError, match=r"no calibrated input range for layers\.0\.self_attn\.q_proj"):
+        dgemma.save(dgemma.load(wide, quant="nvfp4"), tmp_path / "b", format="compressed-tensors", input_ranges={})
+    with pytest.raises(ValueError, match="compressed-tensors format only"):
+        dgemma.save(dgemma.load(wide, quant="nvfp4"), tmp_path / "c", input_ranges={})
 
 
 def test_the_quantize_command_hands_off_to_vllm(wide, tmp_path, capsys):
