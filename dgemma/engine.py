@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import DenoiseCall, DoneEvent, DraftEvent, LogitsBuffer, SamplingParams, prepare
+from .generate import DenoiseCall, DoneEvent, DraftEvent, EncodeCall, LogitsBuffer, SamplingParams, answer, prepare
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
 from .runner import Runner, as_runner
@@ -72,7 +72,7 @@ class EngineRequest:
     submitted: float = field(default_factory=time.monotonic)
     # engine side
     _loop: object = None
-    _call: DenoiseCall | None = None
+    _call: DenoiseCall | EncodeCall | None = None  # the model call its loop waits on
     _rng_state: tuple | None = None  # exact mode: this request's own global generator state
 
     def cancel(self) -> None:
@@ -246,8 +246,8 @@ class Engine:
         return True
 
     def _start(self, request: EngineRequest) -> None:
-        """Encode the prompt and run the loop up to its first model call; nothing for a request whose
-        client left, or whose deadline passed, while it waited."""
+        """Validate the request and run its loop up to its first model call (its prompt's encode, run at the
+        next step); nothing for a request whose client left, or whose deadline passed, while it waited."""
         if self._gone(request, time.monotonic()):
             return
         params = request.params
@@ -300,7 +300,7 @@ class Engine:
             while True:
                 item = request._loop.send(reply)
                 reply = None
-                if isinstance(item, DenoiseCall):
+                if isinstance(item, DenoiseCall | EncodeCall):
                     request._call = item
                     return
                 if isinstance(item, DraftEvent) and not request.want_drafts:
@@ -331,11 +331,16 @@ class Engine:
         self._active = keep
 
     def _step(self) -> None:
-        """One denoising pass for the active fast requests together, and one for each exact request."""
+        """The encodes the active requests wait on (prompts, commits), one at a time; then one denoising
+        pass for the fast requests together, and one for each exact request."""
         self._drop_finished()
-        fast = [r for r in self._active if not r._call.exact]
+        for r in [r for r in self._active if isinstance(r._call, EncodeCall)]:
+            self._encode(r)
+        self._active = [r for r in self._active if r._call is not None]
+        denoising = [r for r in self._active if isinstance(r._call, DenoiseCall)]
+        fast = [r for r in denoising if not r._call.exact]
         groups = [fast] if fast else []
-        groups += [[r] for r in self._active if r._call.exact]
+        groups += [[r] for r in denoising if r._call.exact]
         if groups:
             self.stats.last_batch_size = len(self._active)  # requests denoised this step
         for group in groups:
@@ -343,6 +348,19 @@ class Engine:
         self._active = [r for r in self._active if r._call is not None]
         if not self._active:
             self._logits.release()  # idle: hold no logits
+
+    def _encode(self, request: EngineRequest) -> None:
+        """Run the encode `request` waits on, then resume it to its next model call (a request whose loop
+        asks for encodes in a row gets them all)."""
+        while isinstance(request._call, EncodeCall):
+            try:
+                answer(self.runner, request._call)
+            except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
+                self.stats.requests_failed += 1
+                request._call = None
+                request.events.put(e)
+                return
+            self._advance(request, None)
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""

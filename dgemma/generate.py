@@ -118,6 +118,21 @@ class DenoiseCall:
     exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
 
 
+@dataclass
+class EncodeCall:
+    """The loop asks its driver to encode tokens into a cache: its prompt first, then each committed canvas
+    (`yield EncodeCall(...)`; the reply is None). Yielded like DenoiseCall, so that a driver runs every model
+    pass of the loop and a server can schedule the prefills and commits of many requests."""
+
+    ids: torch.Tensor  # [b, T]
+    cache: KVCache
+    attention_mask: torch.Tensor | None = None  # [b, T], 0 marks left padding
+    pixels: object = None  # vision.Pixels of the images whose placeholders `ids` holds
+    is_generated: bool = False  # a committed canvas (may hold the image placeholder id), not a prompt
+    exact: bool = False  # exact mode: the reference modules
+
+
+ModelCall = DenoiseCall | EncodeCall
 Event = DraftEvent | TokensEvent | DoneEvent
 MAX_LOGPROBS = 20  # alternatives per token a result may carry
 
@@ -255,7 +270,8 @@ def _sequence_canvas(final: torch.Tensor, stop: torch.Tensor, pad_id: int, was_f
 
 
 class _Loop:
-    """Runs canvases for one batch of prompts already encoded into `cache`."""
+    """Runs canvases for one batch of prompts: asks for the prompt's encode into `cache` (`prompt`, None when
+    it is there already), then denoises and commits canvas after canvas."""
 
     def __init__(
         self,
@@ -268,9 +284,10 @@ class _Loop:
         allowed: Allowed | None = None,
         logprobs: int | None = None,
         step_stats: bool = False,
+        prompt: EncodeCall | None = None,
     ):
         model = runner.model
-        self.step_stats = step_stats
+        self.step_stats, self.prompt = step_stats, prompt
         self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
         self.b = cache.batch_size
         self.c = model.config.canvas_length
@@ -459,9 +476,12 @@ class _Loop:
             if self.out.finished(r) or z >= needed[r]:  # nothing left to denoise in this canvas
                 st.done[r] = True
 
-    def run(self) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
-        """The canvases, as a generator of events and DenoiseCalls (send the logits back for the latter)."""
+    def run(self) -> Generator[Event | ModelCall, torch.Tensor | None, None]:
+        """The canvases, as a generator of events and model calls (send a DenoiseCall's logits back; an
+        EncodeCall's reply is None)."""
         p, c = self.p, self.c
+        if self.prompt is not None:
+            yield self.prompt
         sequences = []
         finished_rows = torch.zeros(self.b, dtype=torch.bool, device=self.device)
         for k in range(self.num_canvases):
@@ -494,7 +514,7 @@ class _Loop:
             if all(self.out.finished(r) for r in range(self.b)) or k == self.num_canvases - 1:
                 break
             # commit: generated tokens, which may hold the image placeholder id (embedded as any token)
-            self.runner.encode(seq, self.cache, exact=self.exact, is_generated=True)
+            yield EncodeCall(seq, self.cache, is_generated=True, exact=self.exact)
         yield DoneEvent(self._result(torch.cat(sequences, dim=1)))
 
     def _result(self, sequences: torch.Tensor) -> GenerationResult:
@@ -540,11 +560,12 @@ def prepare(
     max_soft_tokens: int = DEFAULT_BUDGET,
     step_stats: bool = False,
     **overrides,
-) -> Generator[Event | DenoiseCall, torch.Tensor | None, None]:
-    """Validate the request, encode the prompt and return the canvas loop, a generator of events and
-    DenoiseCalls (see `drive`). `stream` is this plus a driver; a server drives many at once. `model` is a
-    DiffusionGemma or a Runner (dgemma/runner.py: which modules run the passes). `step_stats` puts each
-    step's entropy and confidence in its DraftEvent (dgemma.tracing); nothing else changes."""
+) -> Generator[Event | ModelCall, torch.Tensor | None, None]:
+    """Validate the request and return the canvas loop, a generator of events and model calls (the
+    prompt's EncodeCall first, then DenoiseCalls and the commits' EncodeCalls; see `drive`). `stream` is
+    this plus a driver; a server drives many at once. `model` is a DiffusionGemma or a Runner
+    (dgemma/runner.py: which modules run the passes). `step_stats` puts each step's entropy and confidence
+    in its DraftEvent (dgemma.tracing); nothing else changes."""
     t0 = time.perf_counter()
     runner = as_runner(model)
     model = runner.model
@@ -580,11 +601,10 @@ def prepare(
         raise ValueError(
             f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
         )
-    with torch.no_grad():
-        runner.encode(ids, cache, attention_mask=mask, exact=p.mode == "exact", pixels=pixels)
     pins = None if pins is None else pins.to(model.device)
     allowed = None if allowed is None else allowed.to(model.device)
-    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats)
+    encode = EncodeCall(ids, cache, mask, pixels, exact=p.mode == "exact")
+    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats, encode)
     return loop.run()
 
 
@@ -655,9 +675,23 @@ class LogitsBuffer:
         self.tensor = None
 
 
+def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) -> torch.Tensor | None:
+    """Run one model call of a loop on `runner`: a DenoiseCall's logits (written into `buffer`'s rows where
+    the runner writes in place), None for an EncodeCall."""
+    if isinstance(call, EncodeCall):
+        with torch.no_grad():
+            runner.encode(
+                call.ids, call.cache, call.attention_mask, exact=call.exact, pixels=call.pixels,
+                is_generated=call.is_generated,
+            )  # fmt: skip
+        return None
+    out = buffer.rows(call.tokens.shape) if buffer is not None and runner.writes_in_place(call.exact) else None
+    return runner.denoise(call.tokens, call.cache, call.self_conditioning, exact=call.exact, out=out)
+
+
 def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iterator[Event]:
-    """Run a canvas loop on its own: answer each DenoiseCall with a forward pass, pass events through.
-    `observe(call)`, if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
+    """Run a canvas loop on its own: answer each model call (`answer`), pass events through. `observe(call)`,
+    if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
     runner = as_runner(model)
     reply, buffer = None, LogitsBuffer(runner.text_config.vocab_size, runner.device)
     while True:
@@ -665,11 +699,10 @@ def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iter
             item = loop.send(reply)
         except StopIteration:
             return
-        if isinstance(item, DenoiseCall):
-            if observe is not None:
+        if isinstance(item, DenoiseCall | EncodeCall):
+            if observe is not None and isinstance(item, DenoiseCall):
                 observe(item)
-            out = buffer.rows(item.tokens.shape) if runner.writes_in_place(item.exact) else None
-            reply = runner.denoise(item.tokens, item.cache, item.self_conditioning, exact=item.exact, out=out)
+            reply = answer(runner, item, buffer)
         else:
             reply = None
             yield item

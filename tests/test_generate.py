@@ -287,3 +287,33 @@ def test_sampling_params_object(pair):
     params = SamplingParams(max_new_tokens=4, max_denoising_steps=2, seed=0)
     r = generate(model, [5, 6, 7], params, stop_token_ids=[])
     assert len(r.tokens[0]) == 4 and r.stats.steps_per_canvas == [[2]]
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_the_loop_yields_every_model_pass(pair, mode):
+    """Issue 41, step 1: `prepare` runs no model pass; the loop asks for its prompt's encode first and for
+    each commit between canvases (EncodeCall), as it asks for denoising, and answering its calls one by one
+    gives `generate`'s tokens."""
+    from dgemma.generate import DenoiseCall, EncodeCall, answer, prepare
+    from dgemma.runner import as_runner
+
+    runner = as_runner(pair[1])
+    kw = dict(max_new_tokens=20, max_denoising_steps=3, seed=0, mode=mode)  # three canvases of 8
+    loop = prepare(runner, [[2, 5, 6, 7]], **kw)
+    calls, reply, result = [], None, None
+    while True:
+        try:
+            item = loop.send(reply)
+        except StopIteration:
+            break
+        reply = None
+        if isinstance(item, DenoiseCall | EncodeCall):
+            calls.append(item)
+            reply = answer(runner, item)
+        elif isinstance(item, DoneEvent):
+            result = item.result
+    first = calls[0]
+    assert isinstance(first, EncodeCall) and not first.is_generated and first.ids.tolist() == [[2, 5, 6, 7]]
+    assert sum(isinstance(c, EncodeCall) and c.is_generated for c in calls) == 2  # between three canvases
+    assert all(c.exact == (mode == "exact") for c in calls)
+    assert result.tokens == generate(pair[1], [[2, 5, 6, 7]], **kw).tokens

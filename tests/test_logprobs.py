@@ -12,7 +12,7 @@ from live_server import KEY
 
 import dgemma
 from dgemma.editing import canvas_logprobs, continuation_logprobs, prompt_logprobs
-from dgemma.generate import DenoiseCall, DoneEvent, prepare
+from dgemma.generate import DenoiseCall, DoneEvent, EncodeCall, answer, prepare
 from dgemma.runner import as_runner
 from dgemma.testing import load_quiet
 
@@ -35,7 +35,9 @@ def _generate_keeping_last_logits(model, prompt, **kw):
         except StopIteration:
             break
         reply = None
-        if isinstance(item, DenoiseCall):
+        if isinstance(item, EncodeCall):
+            reply = answer(runner, item)
+        elif isinstance(item, DenoiseCall):
             reply = runner.denoise(item.tokens, item.cache, item.self_conditioning)
             last.append((item.tokens.clone(), reply.clone()))  # the loop divides the reply in place
         elif isinstance(item, DoneEvent):
