@@ -30,7 +30,8 @@ import torch
 
 from dgemma import accelerate
 from dgemma.bench import machine_peaks, random_model, run_bench
-from dgemma.config import count_parameters, preset
+from dgemma.config import preset
+from dgemma.sizes import count_parameters
 
 START = time.perf_counter()
 

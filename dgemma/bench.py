@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .ar import generate_ar
-from .config import DiffusionGemmaConfig, count_parameters, preset
+from .config import DiffusionGemmaConfig, preset
 from .cpu import cpu_features
 from .generate import generate
 from .model import DiffusionGemma
 from .runner import Runner, as_runner
+from .sizes import count_parameters
 
 # Nominal peaks of common GPUs (memory bandwidth in bytes/s, dense bf16 tensor FLOP/s), from the vendors'
 # data sheets; matched against torch.cuda.get_device_name() by substring, most specific first.

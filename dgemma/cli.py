@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import __version__
 from .cli_common import add_model_option
-from .config import PRESETS, DiffusionGemmaConfig, GenerationConfig, count_parameters, human_count, preset
+from .config import PRESETS, DiffusionGemmaConfig, GenerationConfig, preset
+from .sizes import count_parameters, human_count
 
 
 def _describe(config: DiffusionGemmaConfig) -> dict:

@@ -200,30 +200,23 @@ def _rope(reader, get, tensors) -> dict:
     }
 
 
-def read_tokenizer(path: Path):
-    """The tokenizer a GGUF file carries: its tokenizers JSON (`tokenizer.huggingface.json`, which dgemma
-    writes), special tokens by id and `tokenizer.chat_template`; without that JSON, the tokenizer.json
-    (and chat template) of the file's directory."""
+def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
+    """The tokenizer a GGUF file carries, as (its tokenizers JSON `tokenizer.huggingface.json`, which dgemma
+    writes; special tokens by name; `tokenizer.chat_template`), or None when it has no such JSON
+    (dgemma.tokenizer.Tokenizer.from_gguf builds the tokenizer)."""
     from tokenizers import Tokenizer as HFTokenizer
-
-    from .tokenizer import Tokenizer
 
     reader = _reader(path)
     source = _field(reader, "tokenizer.huggingface.json")
     if source is None:
-        if (path.parent / "tokenizer.json").is_file():
-            return Tokenizer.from_dir(path.parent)
-        raise ValueError(
-            f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that exact "
-            "form. Put the model's tokenizer.json (and chat template) beside the file"
-        )
+        return None
     tok = HFTokenizer.from_str(source)
     special = {}
     for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and tok.id_to_token(int(token_id)) is not None:
             special[name] = tok.id_to_token(int(token_id))
-    return Tokenizer(tok, special, _field(reader, "tokenizer.chat_template"))
+    return source, special, _field(reader, "tokenizer.chat_template")
 
 
 def _ours(name: str) -> str | None:

@@ -32,26 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import DiffusionGemmaConfig, GenerationConfig, LayerSpec, TextConfig
 from .kv_cache import DenoiseCache, KVCache
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x), computed in fp32, times a plain `weight` (not Gemma 3's 1 + weight), cast back."""
-
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
+from .layers import RMSNorm, gelu_tanh
+from .vision import VisionConfig, VisionEmbedder, VisionTower, image_blocks
 
 
 def embed_scale(hidden_size: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
@@ -342,8 +324,6 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SelfConditioning(t)
         self.vision_tower = self.embed_vision = None  # a text-only checkpoint has neither
         if config.vision_config is not None:
-            from .vision import VisionConfig, VisionEmbedder, VisionTower  # vision.py builds on this file
-
             vision = VisionConfig.from_dict(config.vision_config)
             self.vision_tower = VisionTower(vision)
             self.embed_vision = VisionEmbedder(vision, t.hidden_size)
@@ -438,8 +418,6 @@ class DiffusionGemma(nn.Module):
 
     def _place_images(self, input_ids: torch.Tensor, x: torch.Tensor, pixels):
         """The embeddings with image soft tokens at the placeholders, and the image blocks for the mask."""
-        from .vision import image_blocks
-
         is_image = input_ids == self.config.image_token_id
         features = self.image_features(pixels)
         placeholders = int(is_image.sum())

@@ -14,19 +14,7 @@ from typing import Any
 
 import torch
 
-SPECIAL_TOKENS = [
-    "<pad>",
-    "<eos>",
-    "<bos>",
-    "<unk>",
-    "<mask>",
-    "<|turn>",
-    "<turn|>",
-    "<|think|>",
-    "<|channel>",
-    "<channel|>",
-]
-TEMPLATE_PATH = Path(__file__).parent / "templates" / "gemma4_chat.jinja"
+from .tokenizer import IMAGE_TOKENS, SPECIAL_TOKENS, TEMPLATE_PATH, train_bpe  # noqa: F401 (the tests' names)
 
 TINY_VISION = dict(
     model_type="gemma4_vision",
@@ -76,7 +64,7 @@ def randomize_oracle(model, seed: int = 0, dense: bool = False) -> None:
 
 # Gemma 4's image tokens (begin, placeholder, end), and their ids in the tiny vision checkpoints: the last
 # three of the 512-token vocabulary, where make_tokenizer(images=True) puts them.
-IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # dgemma.images.GEMMA4_IMAGE_TOKENS
+
 TINY_IMAGE_IDS = {"boi_token_id": 509, "image_token_id": 510, "eoi_token_id": 511}
 
 
@@ -176,35 +164,9 @@ def _tokenizer_corpus(words: int = 20_000, seed: int = 0) -> list[str]:
 
 
 def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, *, images: bool = False):
-    """A byte-level BPE `dgemma.Tokenizer` with Gemma 4-style specials (ids 0..9) and the dgemma template.
-    With `images`, Gemma 4's image tokens take the last three ids (TINY_IMAGE_IDS for a vocabulary of 512)."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from .tokenizer import Tokenizer
-
-    if corpus is None:
-        corpus = _tokenizer_corpus()
-    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(IMAGE_TOKENS) if images else vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    if images:
-        tok.add_special_tokens(list(IMAGE_TOKENS))
-    special = {
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "mask_token": "<mask>",
-    }
-    return Tokenizer(tok, special, TEMPLATE_PATH.read_text())
+    """A test tokenizer: `dgemma.tokenizer.train_bpe` on a fixed corpus (or `corpus`). With `images`, Gemma 4's
+    image tokens take the last three ids (TINY_IMAGE_IDS for a vocabulary of 512)."""
+    return train_bpe(_tokenizer_corpus() if corpus is None else corpus, vocab_size, images=images)
 
 
 # ------------------------------------------------------------------------------------------------

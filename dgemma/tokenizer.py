@@ -21,6 +21,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .gguf_file import gguf_path, read_tokenizer
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -140,8 +142,6 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template from a checkpoint directory
         (a GGUF file, or a directory with one .gguf and no tokenizer.json: `from_gguf`)."""
-        from .gguf_file import gguf_path
-
         directory = Path(path)
         gguf = gguf_path(directory) if not (directory / "tokenizer.json").is_file() else None
         if gguf is not None:
@@ -198,10 +198,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """The tokenizer of a GGUF file (dgemma.gguf_file.read_tokenizer)."""
-        from .gguf_file import read_tokenizer
-
-        return read_tokenizer(Path(path))
+        """The tokenizer of a GGUF file (dgemma.gguf_file.read_tokenizer); without one in the file, the
+        tokenizer.json (and chat template) of the file's directory."""
+        path = Path(path)
+        parts = read_tokenizer(path)
+        if parts is not None:
+            source, special, template = parts
+            return cls(_HFTokenizer.from_str(source), special, template)
+        if (path.parent / "tokenizer.json").is_file():
+            return cls.from_dir(path.parent)
+        raise ValueError(
+            f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that exact "
+            "form. Put the model's tokenizer.json (and chat template) beside the file"
+        )
 
     # -- ids --------------------------------------------------------------------------------------------
     @property
@@ -311,3 +320,49 @@ class Tokenizer:
                     "messages), which gives the token ids and the images' pixels"
                 )
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizers for the small models dgemma trains (dgemma/tasks) and for tests
+
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<|turn>",
+    "<turn|>",
+    "<|think|>",
+    "<|channel>",
+    "<channel|>",
+]  # ids 0..9, as Gemma 4 lays its specials out
+IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # dgemma.images.GEMMA4_IMAGE_TOKENS
+TEMPLATE_PATH = Path(__file__).parent / "templates" / "gemma4_chat.jinja"
+
+
+def train_bpe(corpus: list[str], vocab_size: int, *, images: bool = False) -> Tokenizer:
+    """A byte-level BPE Tokenizer trained on `corpus`, with Gemma 4-style specials (ids 0..9) and dgemma's
+    chat template; with `images`, Gemma 4's image tokens take the last three ids."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(IMAGE_TOKENS) if images else vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    if images:
+        tok.add_special_tokens(list(IMAGE_TOKENS))
+    special = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
+    return Tokenizer(tok, special, TEMPLATE_PATH.read_text())

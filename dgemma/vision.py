@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import check_types
-from .model import RMSNorm, gelu_tanh
+from .layers import RMSNorm, gelu_tanh
 
 
 @dataclass(slots=True)

@@ -217,7 +217,7 @@ def test_info_reads_a_gguf_s_metadata(tmp_path, capsys):
     path = write(_model("q8_0"), tmp_path / "tiny.gguf", "q8_0")
     assert main(["info", "-m", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["parameters_total"] == dgemma.config.count_parameters(dgemma.preset("tiny"))["total"]
+    assert info["parameters_total"] == dgemma.count_parameters(dgemma.preset("tiny"))["total"]
     assert info["canvas_length"] == 8 and info["layers"] == "6 (5 sliding-window, 1 global)"
 
 

@@ -21,8 +21,7 @@ from torch import nn
 
 from ..model import DiffusionGemma, Experts
 from .formats import MODES, Quantized, QuantSpec, check_mode, dequantize, quantize
-from .kernels import use_kernels
-from .modules import QuantExperts, QuantLinear
+from .modules import QuantExperts, QuantLinear, use_kernels
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Linears that vLLM runs as one matmul (qkv_proj, gate_up_proj): NVFP4 gives each group one global scale

@@ -119,23 +119,3 @@ def reference_matmul(x: torch.Tensor, q: Quantized) -> torch.Tensor:
         return nvfp4_emulated(x.reshape(-1, k), q).to(x.dtype).reshape(*lead, -1)
     xq, xs = quantize_rows(x.reshape(-1, k), q.mode)
     return F.linear(xq.float() * xs, dequantize(q)).to(x.dtype).reshape(*lead, -1)
-
-
-def use_kernels(
-    model: torch.nn.Module, enable: bool = True, fp4: bool | None = None, modes: tuple[str, ...] | None = None
-) -> torch.nn.Module:
-    """Switch the model's int8 / fp8 modules to the integer / fp8 matmuls (or back), and nvfp4 ones to
-    W4A4 when `fp4` (default: where the model's device has native FP4 matmuls; True elsewhere runs the
-    emulation, to measure it); only the modules of `modes` when given; returns the model."""
-    from .modules import QuantExperts, QuantLinear
-
-    for module in model.modules():
-        if not isinstance(module, QuantLinear | QuantExperts) or (modes is not None and module.mode not in modes):
-            continue
-        if module.mode == "nvfp4":
-            w4a4 = native_fp4(next(module.buffers()).device) if fp4 is None else fp4
-            module.kernel = KERNELS["nvfp4"] if enable and w4a4 else None
-        else:
-            per_row = all(spec.group_size is None for spec in module.specs.values())  # the kernels' scales
-            module.kernel = KERNELS.get(module.mode) if enable and per_row else None
-    return model

@@ -22,7 +22,7 @@ from torch import nn
 from ..model import Experts, gelu_tanh
 from ..moe import experts_by_expert
 from .formats import Quantized, QuantSpec, dequantize, quantized_buffers
-from .kernels import quantized_matmul
+from .kernels import KERNELS, native_fp4, quantized_matmul
 
 TILE_ELEMENTS = 1 << 22  # dequantized elements per tile (16 MB in fp32)
 
@@ -263,3 +263,21 @@ class QuantExperts(nn.Module):
             return f"experts={e}, hidden={m}, intermediate={two_i // 2}, " + _describe(gate_up, self.kernel)
         both = f"gate_up: {_describe(gate_up, self.kernel)}; down: {_describe(down, self.kernel)}"
         return f"experts={e}, hidden={m}, intermediate={two_i // 2}, {both}"
+
+
+def use_kernels(
+    model: torch.nn.Module, enable: bool = True, fp4: bool | None = None, modes: tuple[str, ...] | None = None
+) -> torch.nn.Module:
+    """Switch the model's int8 / fp8 modules to the integer / fp8 matmuls (or back), and nvfp4 ones to
+    W4A4 when `fp4` (default: where the model's device has native FP4 matmuls; True elsewhere runs the
+    emulation, to measure it); only the modules of `modes` when given; returns the model."""
+    for module in model.modules():
+        if not isinstance(module, QuantLinear | QuantExperts) or (modes is not None and module.mode not in modes):
+            continue
+        if module.mode == "nvfp4":
+            w4a4 = native_fp4(next(module.buffers()).device) if fp4 is None else fp4
+            module.kernel = KERNELS["nvfp4"] if enable and w4a4 else None
+        else:
+            per_row = all(spec.group_size is None for spec in module.specs.values())  # the kernels' scales
+            module.kernel = KERNELS.get(module.mode) if enable and per_row else None
+    return model

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..tokenizer import train_bpe
+
 SPLITS = ("train", "validation", "test")
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "code"  # the shipped model
 SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
@@ -73,9 +75,7 @@ def collect(root: str | Path | None = None) -> list[SourceFile]:
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     """A byte-level BPE tokenizer (dgemma's specials and chat template) trained on `texts`."""
-    from ..testing import make_tokenizer
-
-    return make_tokenizer(vocab_size, corpus=texts)
+    return train_bpe(texts, vocab_size)
 
 
 def _windows(ids: list[int], rng: random.Random, context: int, count: int) -> Iterator[tuple[int, int]]:

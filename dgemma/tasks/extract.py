@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+from ..tokenizer import train_bpe
+
 FIRST = ("Ana", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kaya", "Liam",
          "Mara", "Nico", "Olga", "Pedro", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yara")  # fmt: skip
 LAST = ("Lopez", "Smith", "Okafor", "Rossi", "Novak", "Tanaka", "Silva", "Berg", "Dubois", "Kaur", "Meyer",
@@ -96,10 +98,8 @@ def write_split(directory: Path, split: str) -> Path:
 
 def make_tokenizer(vocab_size: int = 768):
     """A byte-level BPE over the task's sentences and answers, with the chat template."""
-    from ..testing import make_tokenizer as bpe
-
     corpus = []
     for seed in range(3000):
         sentence, order = example(seed)
         corpus += [f"{INSTRUCTION}\n{sentence}", answer(order)]
-    return bpe(vocab_size=vocab_size, corpus=corpus)
+    return train_bpe(corpus, vocab_size)

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .lora import EXPERT_KINDS
 from .objective import ObjectiveConfig
+
+EXPERT_KINDS = ("per_expert", "shared")  # LoRA on the experts: one pair of factors per expert, or one for all
 
 
 @dataclass

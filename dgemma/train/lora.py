@@ -32,7 +32,6 @@ TARGETS = {  # module names of the text stack (the vision tower's projections ha
     "experts": r"layers\.\d+\.experts",  # both stacked weights, per-expert or shared factors (lora_layers.py)
 }
 DEFAULT_TARGETS = ("attention", "mlp")
-EXPERT_KINDS = ("per_expert", "shared")  # the experts' factors: one pair per expert, or one for all
 
 
 def target_regex(targets: list[str] | tuple[str, ...]) -> str:
@@ -81,7 +80,7 @@ def apply_lora(
 
 
 def _custom_modules(experts: str) -> dict:
-    from .lora_layers import custom_modules
+    from .lora_layers import custom_modules  # imports peft, like the functions above
 
     return custom_modules(experts)
 

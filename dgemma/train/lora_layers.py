@@ -31,7 +31,7 @@ from torch import nn
 from ..model import Experts, gelu_tanh
 from ..moe import experts_by_expert
 from ..quant import QuantExperts, QuantLinear, dequantize
-from .lora import EXPERT_KINDS
+from .config import EXPERT_KINDS
 
 
 def _move_to(layer: nn.Module, adapter_name: str, device: torch.device) -> None:
