@@ -348,7 +348,7 @@ def test_demo_json_prints_the_statistics_alone(capsys):
 
 
 def test_demo_shows_control_characters_a_model_writes_as_replacement_characters():
-    from dgemma.cli_demo import _shown
+    from dgemma.cli.demo import _shown
 
     # a random model's draft can hold ESC: printed as is, it would drive the terminal
     assert _shown("a\x1b[2Jb\r\n\tc\x7f") == "a\ufffd[2Jb\ufffd\n\tc\ufffd"

@@ -6,7 +6,7 @@ import pytest
 
 import dgemma
 from dgemma.cli import main
-from dgemma.cli_demo import CODE_MODEL_DIR
+from dgemma.cli.demo import CODE_MODEL_DIR
 from dgemma.tasks import sudoku
 from dgemma.testing import make_tokenizer
 

@@ -61,7 +61,7 @@ def test_the_server_request_fields_are_generated_from_the_settings():
 def test_the_command_line_has_a_flag_for_each_setting():
     import argparse
 
-    from dgemma.cli_common import add_sampling_args
+    from dgemma.cli.common import add_sampling_args
 
     p = argparse.ArgumentParser()
     add_sampling_args(p)

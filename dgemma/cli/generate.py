@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_common import (
+from ..config import GenerationConfig
+from .common import (
     add_model_args,
     add_old_name,
     add_sampling_args,
@@ -16,7 +17,6 @@ from .cli_common import (
     read_text,
     sampling_overrides,
 )
-from .config import GenerationConfig
 
 REASONING_HELP = "turn on thinking (the chat template's enable_thinking; the server's `reasoning` field)"
 
@@ -96,7 +96,7 @@ class CanvasView:
 
 def run_stream(events, tokenizer, args, printer: TextPrinter):
     """Drive a generation stream: print final text as it comes (or show the canvas); return the result."""
-    from .generate import DoneEvent, DraftEvent, TokensEvent
+    from ..generate import DoneEvent, DraftEvent, TokensEvent
 
     view = CanvasView(tokenizer) if args.show_canvas else None
     result = None
@@ -147,7 +147,7 @@ def report(result, args, text: str, extra: dict | None = None) -> None:
 def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], object]:
     """The prompt's token ids, and the Pixels of its --image files (None without): images go before the
     text, in the user's turn (or, with --raw, as image tokens before the text)."""
-    from . import images
+    from .. import images
 
     pictures = list(getattr(args, "image", None) or [])
     budget = getattr(args, "max_soft_tokens", images.DEFAULT_BUDGET)
@@ -185,7 +185,7 @@ def _video_part(args) -> list[dict]:
 
 def add_image_args(p) -> None:
     """--image (repeatable) and --max-soft-tokens."""
-    from .images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS
+    from ..images import DEFAULT_BUDGET, SOFT_TOKEN_BUDGETS
 
     p.add_argument(
         "--image", action="append", metavar="PATH", help="an image for the prompt (repeatable; placed before the text)"
@@ -209,9 +209,9 @@ def add_image_args(p) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a reply to one prompt."""
-    from .ar import stream_ar
-    from .generate import stream
-    from .tokenizer import check_unicode
+    from ..ar import stream_ar
+    from ..generate import stream
+    from ..tokenizer import check_unicode
 
     if args.prompt is None or args.prompt == "-":
         text = read_text("-", "the prompt")
@@ -252,7 +252,7 @@ def _read_schema(path: Path) -> dict:
 
 def _generate_json(runner, tokenizer, ids, pixels, schema: dict, args) -> int:
     """--json-schema: the answer as JSON valid against the schema (dgemma.generate_json)."""
-    from .structured import generate_json
+    from ..structured import generate_json
 
     out = generate_json(runner, ids, schema, tokenizer=tokenizer, pixels=pixels, **sampling_overrides(args))
     extra = {"json": out.value, "attempts": out.attempts, "steps": out.steps}
@@ -270,12 +270,12 @@ def _check_vision(args, model) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the KV cache is reused across turns."""
-    from .generate import Session
+    from ..generate import Session
 
     runner, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
-    from .images import chat_prompt
+    from ..images import chat_prompt
 
     _check_vision(args, runner.model)
     session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
@@ -310,8 +310,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_infill(args: argparse.Namespace) -> int:
     """Fill the middle between a prefix and a suffix."""
-    from .editing import infill
-    from .tokenizer import check_unicode
+    from ..editing import infill
+    from ..tokenizer import check_unicode
 
     prefix = read_text(args.prefix_file, "--prefix-file") if args.prefix_file else args.prefix
     suffix = read_text(args.suffix_file, "--suffix-file") if args.suffix_file else args.suffix

@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .tasks.code import MODEL_DIR as CODE_MODEL_DIR
-from .tasks.shapes import MODEL_DIR as SHAPES_MODEL_DIR
+from ..tasks.code import MODEL_DIR as CODE_MODEL_DIR
+from ..tasks.shapes import MODEL_DIR as SHAPES_MODEL_DIR
 
 GENERATE_PROMPT = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
 INFILL_PREFIX = "def mean(values):\n    total = "
@@ -68,7 +68,7 @@ class Screen:
 
 def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16, 32)):
     """Drive a generation stream; redraw `render(event)` live, or print a few snapshots as plain text."""
-    from .generate import DoneEvent, DraftEvent
+    from ..generate import DoneEvent, DraftEvent
 
     result = None
     if screen.live:
@@ -93,7 +93,7 @@ def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16,
 def _code_part(screen: Screen, runner, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from .generate import stream
+    from ..generate import stream
 
     screen.title("1. A canvas of random tokens denoised into code")
     screen.print(Text(GENERATE_PROMPT, style="bold"), end="")
@@ -120,8 +120,8 @@ def _code_part(screen: Screen, runner, tok, seed: int) -> Part:
 def _warm_up(runner, tok) -> None:
     """One untimed step and one AR token first, so that neither the first part nor the AR row carries the
     one-time costs of a first call (allocations, the BLAS's setup)."""
-    from .ar import generate_ar
-    from .generate import generate
+    from ..ar import generate_ar
+    from ..generate import generate
 
     prompt = tok.encode(GENERATE_PROMPT)
     generate(runner, prompt, max_new_tokens=runner.model.config.canvas_length, max_denoising_steps=1, seed=0)
@@ -131,7 +131,7 @@ def _warm_up(runner, tok) -> None:
 def _ar_part(runner, tok, tokens: int) -> Part:
     """The first part's prompt decoded left to right by the same model, one forward per token (dgemma.ar),
     timed the same way: the baseline that the statistics' "vs AR" column divides by."""
-    from .ar import generate_ar
+    from ..ar import generate_ar
 
     t0 = time.perf_counter()
     result = generate_ar(runner, tok.encode(GENERATE_PROMPT), tokens, stop_token_ids=[])
@@ -143,7 +143,7 @@ def _ar_part(runner, tok, tokens: int) -> Part:
 def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from .editing import infill
+    from ..editing import infill
 
     screen.title("2. Infilling: the middle, with both sides in view")
     screen.print(Text(INFILL_PREFIX) + Text("<fill>", style="reverse") + Text(INFILL_SUFFIX), end="")
@@ -160,7 +160,7 @@ def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
 def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from .editing import edit
+    from ..editing import edit
 
     screen.title("3. Editing: one span rewritten, the rest kept")
     before, span, after = (tok.encode(x, add_special_tokens=False) for x in (EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER))
@@ -178,9 +178,9 @@ def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
 def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, group_size: int = 64) -> Part:
     import torch
 
-    from .cli_tasks import grid_text
-    from .generate import stream
-    from .tasks import sudoku
+    from ..generate import stream
+    from ..tasks import sudoku
+    from .tasks import grid_text
 
     screen.title("4. A Sudoku solved by the Sudoku model")
     model, tok = sudoku.load_model(model_dir, quant, group_size)
@@ -208,10 +208,10 @@ def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, 
 
 def _image_part(screen: Screen, seed: int) -> Part:
     """A held-out scene (dgemma/tasks/shapes.py), shown as text, and the model's answer about it."""
-    from .runner import accelerate
-    from .tasks import shapes
-    from .tokenizer import Tokenizer
-    from .weights import load
+    from ..runner import accelerate
+    from ..tasks import shapes
+    from ..tokenizer import Tokenizer
+    from ..weights import load
 
     screen.title("5. An image: the small vision-language model names its colour and shape")
     model, tok = load(SHAPES_MODEL_DIR), Tokenizer.from_dir(SHAPES_MODEL_DIR)
@@ -236,9 +236,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the tour; return 0."""
     import torch
 
-    from .runner import accelerate
-    from .tokenizer import Tokenizer
-    from .weights import load
+    from ..runner import accelerate
+    from ..tokenizer import Tokenizer
+    from ..weights import load
 
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -317,7 +317,7 @@ def register(sub) -> None:
         action="store_true",
         help="stdout: one JSON object with each part's tokens, steps, forwards and seconds (the tour goes to stderr)",
     )
-    from .cli_common import add_quant_args
+    from .common import add_quant_args
 
     add_quant_args(s)
     s.set_defaults(func=cmd_demo)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_common import add_model_args, add_sampling_args, load_model_and_tokenizer, positive_int, sampling_overrides
+from .common import add_model_args, add_sampling_args, load_model_and_tokenizer, positive_int, sampling_overrides
 
 TASKS = ("sudoku", "code", "infill", "extract")
 
@@ -47,7 +47,7 @@ class Case:
 
 
 def _default_model(task: str | None) -> Path | None:
-    from .tasks import code, extract, sudoku
+    from ..tasks import code, extract, sudoku
 
     return {
         "sudoku": sudoku.MODEL_DIR,
@@ -59,7 +59,7 @@ def _default_model(task: str | None) -> Path | None:
 
 def sudoku_cases(tok, n: int, seed: int) -> list[Case]:
     """Fresh puzzles (seeds far from the training sets'), clues pinned, the solution as reference."""
-    from .tasks import sudoku
+    from ..tasks import sudoku
 
     cases = []
     for i in range(n):
@@ -71,7 +71,7 @@ def sudoku_cases(tok, n: int, seed: int) -> list[Case]:
 
 
 def _test_files() -> list[str]:
-    from .tasks import code
+    from ..tasks import code
 
     return [f.text for f in code.collect() if f.split == "test"]
 
@@ -79,7 +79,7 @@ def _test_files() -> list[str]:
 def code_cases(model, tok, n: int, seed: int, infill: bool) -> list[Case]:
     """Held-out files cut at a line start: a continuation of `context` tokens, or (infill) 2-6 lines cut
     out and filled at their true length between the prefix and the suffix."""
-    from .editing import infill_template, max_middle_length
+    from ..editing import infill_template, max_middle_length
 
     rng, files, canvas = random.Random(seed), _test_files(), model.config.canvas_length
     cases = []
@@ -106,7 +106,7 @@ def code_cases(model, tok, n: int, seed: int, infill: bool) -> list[Case]:
 
 def extract_cases(tok, n: int, seed: int) -> list[Case]:
     """Held-out orders, the answer JSON as reference."""
-    from .tasks import extract
+    from ..tasks import extract
 
     first = extract.SPLITS["test"][0] + seed
     cases = []
@@ -157,8 +157,8 @@ def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
     """A trace per case, with a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .editing import template_pins
-    from .tracing import trace
+    from ..editing import template_pins
+    from ..tracing import trace
 
     traces = []
     columns = (TextColumn("tracing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -189,8 +189,8 @@ def right_tokens(trace, canvas) -> np.ndarray:
 def sudoku_figures(traces) -> dict:
     """Blank cells: Spearman's rho of constraint count (distinct clue digits among peers) and
     finalisation step, per puzzle, averaged; and the mean step by constraint count."""
-    from .analysis import spearman
-    from .tasks.sudoku import BLANK, PEERS
+    from ..analysis import spearman
+    from ..tasks.sudoku import BLANK, PEERS
 
     rhos, by_count = [], {}
     for t in traces:
@@ -322,7 +322,7 @@ def _cases(args, runner, tok) -> list[Case]:
 
 def stats_of(traces, tok, task: str | None) -> dict:
     """What stats.json holds: the summary, the calibration where references exist, the task's figures."""
-    from . import analysis
+    from .. import analysis
 
     texts = (lambda ids: [tok.token_texts[i] for i in ids]) if task in (None, "code", "infill") else None
     out = {"task": task, **analysis.summary(traces, texts=texts)}
@@ -339,7 +339,7 @@ def stats_of(traces, tok, task: str | None) -> dict:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Trace, measure, draw."""
-    from . import analysis
+    from .. import analysis
 
     if sum(x is not None and x != [] for x in (args.prompt, args.prompts, args.task)) != 1:
         raise ValueError("give one of -p PROMPT, --prompts FILE.jsonl or --task")

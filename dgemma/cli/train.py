@@ -10,8 +10,8 @@ from pathlib import Path
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or resume training) as a YAML config describes."""
-    from .train.config import TrainConfig
-    from .train.trainer import TrainingDiverged, train
+    from ..train.config import TrainConfig
+    from ..train.trainer import TrainingDiverged, train
 
     cfg = TrainConfig.from_yaml(args.config)
     if args.steps is not None:
@@ -22,7 +22,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.train.resume = False
     try:
         if cfg.stage2 is not None:
-            from .train.stage2 import train_stage2
+            from ..train.stage2 import train_stage2
 
             result = train_stage2(cfg)
         else:
@@ -41,9 +41,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
-    from .cli_common import options_or_positionals, quant_spec, write_checkpoint
-    from .train.lora import load_adapter
-    from .weights import load
+    from ..train.lora import load_adapter
+    from ..weights import load
+    from .common import options_or_positionals, quant_spec, write_checkpoint
 
     flags = {"--model": args.model_option, "--adapter": args.adapter_option, "--out": args.out_option}
     base, adapter, out = options_or_positionals(flags, [args.base, args.adapter, args.out])
@@ -97,7 +97,7 @@ def register(sub) -> None:
     m.add_argument("adapter", nargs="?", type=Path, metavar="ADAPTER", help="the same as --adapter ADAPTER")
     m.add_argument("out", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
     m.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    from .cli_common import add_format_arg, add_quant_args
+    from .common import add_format_arg, add_quant_args
 
     add_quant_args(m)
     add_format_arg(m)

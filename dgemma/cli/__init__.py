@@ -8,10 +8,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import __version__
-from .cli_common import add_model_option
-from .config import PRESETS, DiffusionGemmaConfig, GenerationConfig, preset
-from .sizes import count_parameters, human_count
+from .. import __version__
+from ..config import PRESETS, DiffusionGemmaConfig, GenerationConfig, preset
+from ..sizes import count_parameters, human_count
+from .common import add_model_option
 
 
 def _describe(config: DiffusionGemmaConfig) -> dict:
@@ -47,7 +47,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         source = f"preset {args.preset}"
         generation = GenerationConfig()
     else:
-        from .gguf_file import gguf_path, read_config
+        from ..gguf_file import gguf_path, read_config
 
         directory = args.model_option or args.directory
         source = str(directory)
@@ -94,16 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import cli_analyze, cli_bench, cli_demo, cli_generate, cli_quant, cli_serve, cli_tasks, cli_train
+    from . import analyze, bench, demo, generate, quant, serve, tasks, train
 
-    cli_generate.register(sub)
-    cli_serve.register(sub)
-    cli_train.register(sub)
-    cli_tasks.register(sub)
-    cli_demo.register(sub)
-    cli_quant.register(sub)
-    cli_bench.register(sub)
-    cli_analyze.register(sub)
+    generate.register(sub)
+    serve.register(sub)
+    train.register(sub)
+    tasks.register(sub)
+    demo.register(sub)
+    quant.register(sub)
+    bench.register(sub)
+    analyze.register(sub)
     return parser
 
 

@@ -89,7 +89,7 @@ def options_or_positionals(options: dict, positionals: list) -> list:
 
 def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     """--quant and --group-size."""
-    from .quant.formats import MODES
+    from ..quant.formats import MODES
 
     p.add_argument(
         "--quant",
@@ -104,8 +104,8 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def add_format_arg(p: argparse.ArgumentParser) -> None:
     """--format and --gguf-type: the checkpoint layout a command writes."""
-    from .gguf_file import WRITABLE
-    from .weights import FORMATS
+    from ..gguf_file import WRITABLE
+    from ..weights import FORMATS
 
     p.add_argument(
         "--format",
@@ -125,7 +125,7 @@ def add_format_arg(p: argparse.ArgumentParser) -> None:
 
 def quant_spec(args: argparse.Namespace):
     """The QuantSpec that --quant, --group-size and --format ask for (None: no quantization)."""
-    from .quant import QuantSpec
+    from ..quant import QuantSpec
 
     fmt = getattr(args, "format", "dgemma")
     if getattr(args, "gguf_type", None) and fmt != "gguf":
@@ -158,11 +158,11 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path, i
     written. `input_ranges`: calibrated activation ranges, for an NVFP4 W4A4 compressed-tensors export."""
     import shutil
 
-    from .tokenizer import Tokenizer
-    from .weights import save
+    from ..tokenizer import Tokenizer
+    from ..weights import save
 
     if args.format == "gguf":
-        from .gguf_file import write
+        from ..gguf_file import write
 
         kind = args.gguf_type or "bf16"
         path = out if out.suffix == ".gguf" else out / f"{source.name}-{kind}.gguf"
@@ -177,7 +177,7 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path, i
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices)."""
-    from .settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
+    from ..settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
 
     defaults = SamplingParams()
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
@@ -193,7 +193,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
     """The keyword arguments of dgemma.generate / stream / infill that the sampling flags set."""
-    from .settings import SETTINGS
+    from ..settings import SETTINGS
 
     return {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
 
@@ -219,7 +219,7 @@ def resolve_device(name: str | None) -> str:
 
 
 def _default_model_dir() -> Path:
-    from .tasks.code import MODEL_DIR
+    from ..tasks.code import MODEL_DIR
 
     print(
         f"dgemma: no --model given, using the shipped code model ({MODEL_DIR}; a small model trained "
@@ -234,7 +234,7 @@ def _default_model_dir() -> Path:
 def make_runner(model, args: argparse.Namespace, *, graphs: bool | None = None):
     """The Runner that --kernels and --compile ask for (fast modules unless --kernels reference); `graphs`
     as Runner takes it (None: on CUDA when the step can be captured)."""
-    from .runner import Runner
+    from ..runner import Runner
 
     if args.kernels == "reference":
         if args.compile:
@@ -251,8 +251,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
 
 def load_model(args: argparse.Namespace):
     """The model (reference modules) and tokenizer that add_model_args' flags name."""
-    from .tokenizer import Tokenizer
-    from .weights import load
+    from ..tokenizer import Tokenizer
+    from ..weights import load
 
     if args.model is None:
         args.model = _default_model_dir()
@@ -272,7 +272,7 @@ def load_model(args: argparse.Namespace):
         group_size=args.group_size,
     )
     if args.adapter is not None:
-        from .train.lora import load_adapter
+        from ..train.lora import load_adapter
 
         model = load_adapter(model, args.adapter, merge=True)
     if tokenizer.vocab_size > model.text_config.vocab_size:

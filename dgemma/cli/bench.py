@@ -36,10 +36,10 @@ def load_for_bench(args: argparse.Namespace):
     model). Returns (the Runner that --kernels, --compile and --no-graphs ask for, tokenizer or None, what
     it is)."""
 
-    from .bench import random_model
-    from .cli_common import make_runner, resolve_device
-    from .cpu import preferred_dtype
-    from .weights import resolve_dtype
+    from ..bench import random_model
+    from ..cpu import preferred_dtype
+    from ..weights import resolve_dtype
+    from .common import make_runner, resolve_device
 
     device = resolve_device(args.device)
     if args.preset:
@@ -51,7 +51,7 @@ def load_for_bench(args: argparse.Namespace):
     else:
         if args.random_weights:
             raise ValueError("--random-weights goes with --preset")
-        from .cli_common import load_model
+        from .common import load_model
 
         model, tokenizer = load_model(args)
         label = str(args.model)
@@ -153,7 +153,7 @@ def plot(r, path: Path, label: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import machine_peaks, run_bench
+    from ..bench import machine_peaks, run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,8 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli_common import add_model_args, add_old_name, positive_int
-    from .config import PRESETS
+    from ..config import PRESETS
+    from .common import add_model_args, add_old_name, positive_int
 
     s = sub.add_parser(
         "bench",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _read_puzzle(args: argparse.Namespace) -> str:
-    from .tasks import sudoku
+    from ..tasks import sudoku
 
     if args.puzzle_file is not None:
         if not args.puzzle_file.is_file():
@@ -25,7 +25,7 @@ def grid_text(tokenizer, puzzle: str, event):
     """One draft of a Sudoku canvas as rich Text: clues bold, cells accepted this step green, the rest dim."""
     from rich.text import Text
 
-    from .tasks import sudoku
+    from ..tasks import sudoku
 
     grid = sudoku.decode_grid(tokenizer, event.drafts[0].tolist())
     accepted = event.accepted[0].tolist()
@@ -55,8 +55,8 @@ def _live_grid(tokenizer, puzzle: str):
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     """Solve one Sudoku puzzle with the model and print the grid (or JSON)."""
-    from .generate import DraftEvent
-    from .tasks import sudoku
+    from ..generate import DraftEvent
+    from ..tasks import sudoku
 
     puzzle = _read_puzzle(args)
     sudoku.solve(puzzle)  # refuses contradictory, unsolvable and ambiguous puzzles with a clear message
@@ -113,7 +113,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli_common import add_old_name, add_quant_args
+    from .common import add_old_name, add_quant_args
 
     s = sub.add_parser(
         "sudoku",

@@ -11,12 +11,12 @@ from pathlib import Path
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model and serve it until interrupted."""
     try:
-        from .server.app import create_app
-        from .server.http import make_server
-        from .server.limits import Limits
+        from ..server.app import create_app
+        from ..server.http import make_server
+        from ..server.limits import Limits
     except ImportError as e:
         raise ImportError("the server needs FastAPI, uvicorn and prometheus-client: pip install 'dgemma[serve]'") from e
-    from .cli_common import load_model_and_tokenizer
+    from .common import load_model_and_tokenizer
 
     runner, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -81,7 +81,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def register(sub) -> None:
-    from .cli_common import add_model_args, add_old_name
+    from .common import add_model_args, add_old_name
 
     s = sub.add_parser(
         "serve",
@@ -110,8 +110,8 @@ def register(sub) -> None:
 
 def _add_bound_args(s) -> None:
     """The flags that bound what requests may cost: batch, queue, time, context, body, headers, shutdown."""
-    from .cli_common import positive_int
-    from .server.limits import Limits
+    from ..server.limits import Limits
+    from .common import positive_int
 
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests denoised together (default 8)")
     s.add_argument("--max-queue", type=_non_negative_int, default=64, help="requests waiting before 429 (default 64)")
