@@ -68,7 +68,7 @@ def peak_tensor_mb(fn) -> float:
 
 
 def add_glibc_defaults_flag(parser) -> None:
-    """`--glibc-defaults`: the baseline of dgemma.cpu.reuse_freed_memory (see keep_glibc_defaults)."""
+    """`--glibc-defaults`: the baseline of dgemma.runtime.cpu.reuse_freed_memory (see keep_glibc_defaults)."""
     parser.add_argument(
         "--glibc-defaults",
         action="store_true",
@@ -78,7 +78,7 @@ def add_glibc_defaults_flag(parser) -> None:
 
 def keep_glibc_defaults() -> None:
     """CPU runners made after this leave glibc's allocator as it is (the benchmarks' baseline of
-    dgemma.cpu.reuse_freed_memory, which a runner otherwise applies once per process)."""
-    import dgemma.runner
+    dgemma.runtime.cpu.reuse_freed_memory, which a runner otherwise applies once per process)."""
+    import dgemma.runtime.runner
 
-    dgemma.runner.reuse_freed_memory = lambda: False
+    dgemma.runtime.runner.reuse_freed_memory = lambda: False

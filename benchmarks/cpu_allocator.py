@@ -1,4 +1,4 @@
-"""What `dgemma.cpu.reuse_freed_memory` (glibc's mmap and trim thresholds, set by a CPU runner) is worth:
+"""What `dgemma.runtime.cpu.reuse_freed_memory` (glibc's mmap and trim thresholds, set by a CPU runner) is worth:
 a process's first generation and a steady loop of denoising steps on the `small` preset (random weights,
 canvas 256), each in a fresh process with the setting and with glibc's defaults, page faults counted
 (ru_minflt). Fresh processes, because glibc's own thresholds move with a process's history: once a

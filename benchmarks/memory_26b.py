@@ -15,7 +15,7 @@ Needs ~15 GB of free memory for int4 (~27 GB for int8).
 From disk (`--from-disk`): the quantize-while-loading path, `dgemma.load(DIR, quant=...)` on a bf16
 checkpoint. It writes random bf16 checkpoints of N full-size 26b-a4b layers (N - 1 sliding-attention
 layers, then a full-attention one, as a config must end), one safetensors file per layer written one at a
-time with dgemma.weights (never the whole model), then for each N, in fresh processes: load with
+time with dgemma.checkpoints.weights (never the whole model), then for each N, in fresh processes: load with
 quantization, encode, one denoising step, commit; and the direct build of the same N layers beside it.
 It fits peak memory and times per layer and extrapolates them to the model's 30 layers. Besides
 getrusage's exact peak it samples the two parts of resident memory (/proc/self/status): anonymous (what
@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 import dgemma
+from dgemma.checkpoints.weights import atomic_save_tensors, atomic_write_bytes, hf_state_dict
 from dgemma.config import FULL, DiffusionGemmaConfig
 from dgemma.model import DiffusionGemma
 from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, describe, swap_modules, targets
-from dgemma.weights import atomic_save_tensors, atomic_write_bytes, hf_state_dict
 
 GIB = 2**30
 REAL_LAYERS = 30
@@ -314,7 +314,7 @@ def shard_plan(num_layers: int) -> dict[str, dict[str, torch.Size]]:
 
 def write_shards(root: Path, plan: dict[str, dict[str, torch.Size]]) -> None:
     """Write the files of `plan` that `root` lacks, random bf16, each filled and written before the next
-    is made (at most one layer is ever in memory), through dgemma.weights' atomic writer."""
+    is made (at most one layer is ever in memory), through dgemma.checkpoints.weights' atomic writer."""
     for fname, entries in sorted(plan.items()):
         if (root / fname).exists():
             continue

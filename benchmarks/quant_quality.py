@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.gguf_file import write as write_gguf
+from dgemma.checkpoints.gguf_file import write as write_gguf
 from dgemma.quant import QuantSpec, quantize_model, use_kernels
 from dgemma.tasks import code, sudoku
 

@@ -234,7 +234,7 @@ LARGE, MEDIUM = (4000, 3000), (3000, 2000)  # (w, h): 8 of 12 MP in one request,
 SETTLE_S = 3.0  # idle seconds after the burst before the settled RSS is read
 # Settled RSS within this of the baseline. What stays is the top of each worker thread's malloc arena (the
 # pixel tensors are built on the tokenizing threads): glibc's malloc_trim leaves those alone, and under the
-# 128 MB trim threshold a CPU runner sets (dgemma/cpu.py) freeing never shrinks them. It does not grow.
+# 128 MB trim threshold a CPU runner sets (dgemma/runtime/cpu.py) freeing never shrinks them. It does not grow.
 SETTLED_MARGIN_MB = 256
 
 

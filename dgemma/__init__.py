@@ -11,17 +11,17 @@ dgemma.generate(runner, prompt_ids)
 
 from . import images
 from .ar import generate_ar, stream_ar
+from .checkpoints.tokenizer import Tokenizer
+from .checkpoints.weights import load, save
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, preset
 from .editing import edit, fill, infill
 from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
-from .runner import Runner, accelerate
+from .runtime.runner import Runner, accelerate
 from .sizes import count_parameters
 from .structured import choose, generate_json
-from .tokenizer import Tokenizer
 from .tracing import Trace, trace
-from .weights import load, save
 
 __version__ = "0.1.0"
 

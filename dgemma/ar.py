@@ -14,7 +14,7 @@ import torch
 
 from .generate import DoneEvent, GenerationResult, GenerationStats, TokensEvent, left_pad, prompt_rows
 from .model import DiffusionGemma
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 
 
 @torch.no_grad()

@@ -29,10 +29,10 @@ import torch
 
 from .ar import generate_ar
 from .config import DiffusionGemmaConfig, preset
-from .cpu import cpu_features
 from .generate import generate
 from .model import DiffusionGemma
-from .runner import Runner, as_runner
+from .runtime.cpu import cpu_features
+from .runtime.runner import Runner, as_runner
 from .sizes import count_parameters
 
 # Nominal peaks of common GPUs (memory bandwidth in bytes/s, dense bf16 tensor FLOP/s), from the vendors'

@@ -39,7 +39,7 @@ import torch
 
 from .generate import GenerationResult, SamplingParams, generate, left_pad
 from .model import DiffusionGemma
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 
 SCORED_SUFFIX = 32  # tokens after the middle (suffix, then end of text) scored when choosing its length
 

@@ -41,7 +41,7 @@ import torch
 from .generate import DenoiseCall, DoneEvent, DraftEvent, EncodeCall, LogitsBuffer, SamplingParams, answer, prepare
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 
 
 class QueueFull(RuntimeError):

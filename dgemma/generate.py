@@ -16,7 +16,7 @@ accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens
 positions (infilling, editing, templates) and stream a canvas's leading tokens early.
 
 The mode is the sampler's arithmetic; it also says which modules run the passes when `model` is a
-Runner (dgemma/runner.py): exact mode always the reference modules, fast mode the runner's fast twin.
+Runner (dgemma/runtime/runner.py): exact mode always the reference modules, fast mode the runner's fast twin.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .constraints import Allowed, as_allowed
 from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
 from .model import DiffusionGemma
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 from .sampling import (
     StableAndConfident,
     entropy_reference,
@@ -564,7 +564,7 @@ def prepare(
     """Validate the request and return the canvas loop, a generator of events and model calls (the
     prompt's EncodeCall first, then DenoiseCalls and the commits' EncodeCalls; see `drive`). `stream` is
     this plus a driver; a server drives many at once. `model` is a DiffusionGemma or a Runner
-    (dgemma/runner.py: which modules run the passes). `step_stats` puts each step's entropy and confidence
+    (dgemma/runtime/runner.py: which modules run the passes). `step_stats` puts each step's entropy and confidence
     in its DraftEvent (dgemma.tracing); nothing else changes."""
     t0 = time.perf_counter()
     runner = as_runner(model)

@@ -274,7 +274,7 @@ class SelfConditioning(nn.Module):
 class LMHead(nn.Module):
     """The tied LM head: hidden states [..., M] times the token embedding [V, M] transposed, cast to fp32,
     then the final softcap tanh(x / c) * c. It holds no weight (the embedding is passed in), so it adds
-    nothing to the state dict; the fast twin swaps in a chunked version (dgemma/fast.py). The cap c is
+    nothing to the state dict; the fast twin swaps in a chunked version (dgemma/runtime/fast.py). The cap c is
     read from the config at each call (`final_logit_softcapping`; None: no cap)."""
 
     def __init__(self, config: TextConfig):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts dispatch shared by the fast experts (dgemma/fast.py) and the quantized ones
+"""Mixture-of-experts dispatch shared by the fast experts (dgemma/runtime/fast.py) and the quantized ones
 (dgemma/quant/modules.py): the (token, slot) pairs sorted by expert, each expert run on its contiguous
 rows, and the slots weighted in fp32 and summed. The reference loop is `model.Experts.forward`.
 """

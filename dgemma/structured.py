@@ -61,7 +61,7 @@ from .constraints import Allowed
 from .editing import continuation_logprobs, end_of_text_ids, fill
 from .generate import GenerationResult, GenerationStats, SamplingParams, generate, prompt_rows
 from .json_values import MAX_VALUE_DEPTH, first_problem
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 from .tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, write_argument, write_key
 
 DEFAULT_STRING_TOKENS = 24

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .tokenizer import IMAGE_TOKENS, SPECIAL_TOKENS, TEMPLATE_PATH, train_bpe  # noqa: F401 (the tests' names)
+from .checkpoints.tokenizer import IMAGE_TOKENS, SPECIAL_TOKENS, TEMPLATE_PATH, train_bpe  # noqa: F401 (the tests' names)
 
 TINY_VISION = dict(
     model_type="gemma4_vision",
@@ -117,7 +117,7 @@ def oracle_from_config(config, *, device: str | torch.device = "cpu", dtype: tor
 def model_sharing_oracle_weights(oracle, config):
     """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
     side-by-side speed measurements of models too large to hold twice."""
-    from .checkpoint_names import ENC, hf_name
+    from .checkpoints.names import ENC, hf_name
     from .model import DiffusionGemma
 
     theirs = oracle.state_dict()
@@ -135,7 +135,7 @@ def load_quiet(path: str | Path, **kwargs: Any):
     """dgemma.load without the expected notice about the tiny vision tower of oracle checkpoints."""
     import warnings
 
-    from .weights import load
+    from .checkpoints.weights import load
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*vision tower.*")
@@ -164,8 +164,8 @@ def _tokenizer_corpus(words: int = 20_000, seed: int = 0) -> list[str]:
 
 
 def make_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, *, images: bool = False):
-    """A test tokenizer: `dgemma.tokenizer.train_bpe` on a fixed corpus (or `corpus`). With `images`, Gemma 4's
-    image tokens take the last three ids (TINY_IMAGE_IDS for a vocabulary of 512)."""
+    """A test tokenizer: `dgemma.checkpoints.tokenizer.train_bpe` on a fixed corpus (or `corpus`). With
+    `images`, Gemma 4's image tokens take the last three ids (TINY_IMAGE_IDS for a vocabulary of 512)."""
     return train_bpe(_tokenizer_corpus() if corpus is None else corpus, vocab_size, images=images)
 
 

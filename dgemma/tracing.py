@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .generate import DoneEvent, DraftEvent, SamplingParams, prompt_rows, stream
-from .runner import Runner, as_runner
+from .runtime.runner import Runner, as_runner
 
 
 @dataclass

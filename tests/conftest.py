@@ -52,9 +52,9 @@ def server(model_dir):
     pytest.importorskip("uvicorn")
     from live_server import KEY, LiveServer
 
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
     from dgemma.testing import load_quiet
-    from dgemma.tokenizer import Tokenizer
 
     app = create_app(
         load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", api_key=KEY, max_batch=4, max_queue=8

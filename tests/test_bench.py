@@ -86,7 +86,7 @@ def test_cpu_features_are_read_from_the_cpu_flags():
 
 
 def test_compute_defaults_follow_the_cpu_flags():
-    from dgemma import cpu
+    from dgemma.runtime import cpu
 
     amx = "flags\t: avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8\n"
     zen4 = "flags\t: avx512f avx512_vnni avx512_bf16\n"
@@ -103,7 +103,7 @@ def test_compute_defaults_follow_the_cpu_flags():
 ALLOCATING_STEPS = """
 import resource, sys, torch
 import torch.nn.functional as F
-from dgemma.cpu import reuse_freed_memory
+from dgemma.runtime.cpu import reuse_freed_memory
 print(reuse_freed_memory() if sys.argv[1] == "reuse" else None)
 h, w = torch.randn(256, 512), torch.randn(1024, 512)
 def step():
@@ -130,7 +130,7 @@ def run_steps(mode: str, env: dict | None = None) -> tuple[str, int, int]:
 
 
 def test_cpu_steps_reuse_their_freed_memory_instead_of_faulting_it_in_again():
-    from dgemma.cpu import on_glibc
+    from dgemma.runtime.cpu import on_glibc
 
     if not on_glibc():
         pytest.skip("the allocator setting is glibc's")
@@ -149,22 +149,22 @@ def test_cpu_steps_reuse_their_freed_memory_instead_of_faulting_it_in_again():
 
 
 def test_a_cpu_runner_sets_the_allocator_up(monkeypatch):
-    import dgemma.runner
+    import dgemma.runtime.runner
 
     calls = []
-    monkeypatch.setattr(dgemma.runner, "reuse_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(dgemma.runtime.runner, "reuse_freed_memory", lambda: calls.append(1))
     dgemma.accelerate(dgemma.build(dgemma.preset("tiny"), seed=0))
     assert calls == [1]
 
 
 @pytest.mark.parametrize("has_int8", [True, False])
 def test_cpu_fast_twin_runs_int8_as_integer_matmuls_where_the_cpu_has_them(monkeypatch, has_int8):
-    import dgemma.fast
+    import dgemma.runtime.fast
     from dgemma.quant import quantize_model
 
-    monkeypatch.setattr(dgemma.fast, "int8_matmuls", lambda: has_int8)
+    monkeypatch.setattr(dgemma.runtime.fast, "int8_matmuls", lambda: has_int8)
     model = quantize_model(dgemma.build(dgemma.preset("tiny"), seed=0), "int8")
-    twin = dgemma.fast.fast_twin(model)
+    twin = dgemma.runtime.fast.fast_twin(model)
     assert (twin.layers[0].self_attn.q_proj.kernel == "int_mm") == has_int8
     assert model.layers[0].self_attn.q_proj.kernel is None  # exact mode keeps the weight-only reference
 

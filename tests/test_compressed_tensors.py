@@ -332,7 +332,7 @@ EXPORTS = {
 def test_exports_decompress_in_the_library_to_dgemma_s_weights(source, tmp_path, name):
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
-    from dgemma.compressed_tensors import decompressed_dtype
+    from dgemma.checkpoints.compressed_tensors import decompressed_dtype
 
     model = dgemma.load(source, quant=EXPORTS[name])
     dgemma.save(model, tmp_path / "ct", format="compressed-tensors")
@@ -363,7 +363,7 @@ def _linears_of(model) -> list[str]:
 
 
 def _quantized_of(model, module: str):
-    from dgemma.vllm_export import _split_rows
+    from dgemma.checkpoints.vllm_export import _split_rows
 
     name = module.removeprefix(DEC)
     if ".experts." not in name:

@@ -144,7 +144,7 @@ def test_an_accelerated_engine_answers_exact_requests_on_the_reference_modules(m
     tokens and committed canvases bit for bit, next to fast requests batched on the fast modules (here
     forced onto the dense expert path, whose rounding differs from the reference loop)."""
     import dgemma
-    import dgemma.fast as fast
+    import dgemma.runtime.fast as fast
 
     monkeypatch.setattr(fast, "DENSE_EXPERTS_MAX_EXTRA", 10**15)
     exact = [

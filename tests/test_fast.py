@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgemma
-import dgemma.fast as fast
+import dgemma.runtime.fast as fast
 from dgemma import Runner, build, preset
 from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_quiet
 
@@ -93,7 +93,7 @@ def test_grouped_experts_in_bf16_match_the_reference():
 def test_static_step_matches_denoise(model, prompt):
     """The fixed-shape step a CUDA graph records (here run without the graph) gives denoise's logits:
     padded rows, a partly or fully written sliding ring, a signal or none, a second canvas after a commit."""
-    from dgemma.graphs import GraphedDenoise
+    from dgemma.runtime.graphs import GraphedDenoise
 
     graphed = GraphedDenoise(model, capture=False)
     tol = fp32_logit_tolerance(model)  # a padded ring and fixed shapes: other matmul shapes, same values

@@ -295,7 +295,7 @@ def test_the_loop_yields_every_model_pass(pair, mode):
     each commit between canvases (EncodeCall), as it asks for denoising, and answering its calls one by one
     gives `generate`'s tokens."""
     from dgemma.generate import DenoiseCall, EncodeCall, answer, prepare
-    from dgemma.runner import as_runner
+    from dgemma.runtime.runner import as_runner
 
     runner = as_runner(pair[1])
     kw = dict(max_new_tokens=20, max_denoising_steps=3, seed=0, mode=mode)  # three canvases of 8

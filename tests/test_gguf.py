@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import dgemma
+from dgemma.checkpoints.gguf_file import write
 from dgemma.config import FULL, SLIDING, DiffusionGemmaConfig, TextConfig
-from dgemma.gguf_file import write
 from dgemma.quant import QuantExperts, QuantLinear, dequantize
 from dgemma.testing import make_tokenizer
 
@@ -59,7 +59,7 @@ def _file_weights(path) -> dict[str, torch.Tensor]:
 
 def _ours(model, name: str) -> torch.Tensor:
     """The dequantized value of a GGUF-named weight in a loaded dgemma model."""
-    from dgemma.gguf_file import _names_out
+    from dgemma.checkpoints.gguf_file import _names_out
 
     ours = {v: k for k, v in _names_out(model).items()}[name]
     module_name, _, leaf = ours.rpartition(".")

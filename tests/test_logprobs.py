@@ -13,7 +13,7 @@ from live_server import KEY
 import dgemma
 from dgemma.editing import canvas_logprobs, continuation_logprobs, prompt_logprobs
 from dgemma.generate import DenoiseCall, DoneEvent, EncodeCall, answer, prepare
-from dgemma.runner import as_runner
+from dgemma.runtime.runner import as_runner
 from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 import dgemma
+from dgemma.checkpoints.tokenizer import Tokenizer
 from dgemma.testing import load_quiet
-from dgemma.tokenizer import Tokenizer
 
 pytest.importorskip("uvicorn")
 from live_server import KEY

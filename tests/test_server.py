@@ -171,8 +171,8 @@ def test_metrics_count_work(server, client):
 
 
 def test_full_queue_answers_429_and_disconnect_cancels(model_dir):
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
-    from dgemma.tokenizer import Tokenizer
 
     app = create_app(load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", max_batch=1, max_queue=0)
     slow = {

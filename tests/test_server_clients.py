@@ -120,9 +120,9 @@ def test_docs_load_nothing_from_outside(server):
 
 
 def test_the_host_check_takes_only_a_host_and_a_port(model_dir):
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
     from dgemma.testing import load_quiet
-    from dgemma.tokenizer import Tokenizer
 
     app = create_app(load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", check_host=True)
     with LiveServer(app) as live:
@@ -179,7 +179,7 @@ def test_content_parts_reach_every_role_as_text(server):
 
 
 def test_the_library_renders_parts_as_text_too(model_dir):
-    from dgemma.tokenizer import Tokenizer
+    from dgemma.checkpoints.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     parts = [{"role": "system", "content": _parts("A", "B")}, *_user()]

@@ -274,7 +274,7 @@ import asyncio, io, sys, time
 from types import SimpleNamespace
 import torch
 from PIL import Image
-from dgemma.cpu import reuse_freed_memory
+from dgemma.runtime.cpu import reuse_freed_memory
 from dgemma.server import media
 
 reuse_freed_memory()  # as a CPU runner sets it
@@ -320,7 +320,7 @@ def test_memory_comes_back_after_a_burst_of_decodes():
     import subprocess
     import sys
 
-    from dgemma.cpu import on_glibc
+    from dgemma.runtime.cpu import on_glibc
 
     if not on_glibc():
         pytest.skip("glibc's arenas are what keeps the memory; other allocators are not measured")

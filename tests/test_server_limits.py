@@ -46,8 +46,8 @@ def _error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
 
 @pytest.fixture(scope="module")
 def app_factory(model_dir):
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
-    from dgemma.tokenizer import Tokenizer
 
     def make(**options):
         options.setdefault("model_name", "tiny")
@@ -286,8 +286,8 @@ def test_no_op_values_of_those_parameters_are_accepted(server):
 def test_tools_need_a_template_that_renders_them(model_dir):
     from tokenizers import Tokenizer as HFTokenizer
 
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
-    from dgemma.tokenizer import Tokenizer
 
     shipped = Tokenizer.from_dir(model_dir)
     plain = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no tools in it

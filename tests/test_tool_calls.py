@@ -12,8 +12,8 @@ import openai
 import pytest
 from live_server import KEY
 
+from dgemma.checkpoints.tokenizer import compile_chat_template
 from dgemma.testing import TEMPLATE_PATH
-from dgemma.tokenizer import compile_chat_template
 from dgemma.tool_calls import Unparsed, call_text, parse_arguments, parse_tool_calls
 
 Q = '<|"|>'
@@ -180,9 +180,9 @@ def test_the_shipped_models_carry_the_template():
 
 
 def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
+    from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.structured import tool_call_plan
     from dgemma.testing import load_quiet
-    from dgemma.tokenizer import Tokenizer
 
     model, tok = load_quiet(model_dir), Tokenizer.from_dir(model_dir)
     plan = tool_call_plan(model, tok, "get_weather", WEATHER["function"]["parameters"])

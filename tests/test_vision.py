@@ -13,7 +13,7 @@ import torch
 
 import dgemma
 from dgemma.generate import left_pad
-from dgemma.runner import as_runner
+from dgemma.runtime.runner import as_runner
 from dgemma.testing import (
     TINY_IMAGE_IDS,
     fp32_logit_tolerance,

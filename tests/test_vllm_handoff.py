@@ -171,7 +171,7 @@ def test_the_checker_catches_what_exports_used_to_get_wrong(wide, tmp_path):
 
 
 def test_exports_refuse_what_vllm_cannot_run(wide, tmp_path):
-    from dgemma.vllm_export import check_spec
+    from dgemma.checkpoints.vllm_export import check_spec
 
     with pytest.raises(ValueError, match="Marlin kernels take groups of 32, 64, 128"):
         check_spec(QuantSpec.of("int4", 16, "symmetric"))

@@ -88,7 +88,7 @@ def test_sharded_save_and_load(moe_ckpt, tmp_path):
 @pytest.mark.parametrize("dtype", ["bf16", torch.float16, "float32"])
 def test_load_in_requested_dtype(moe_ckpt, tmp_path, dtype):
     model = load_quiet(moe_ckpt[0], dtype=dtype)
-    want = dgemma.weights.resolve_dtype(dtype)
+    want = dgemma.checkpoints.weights.resolve_dtype(dtype)
     assert all(t.dtype == want for t in model.state_dict().values())
     dgemma.save(model, tmp_path)
     assert dgemma.load(tmp_path).dtype == want  # 'auto' keeps the stored dtype
@@ -202,7 +202,7 @@ def test_interrupted_save_keeps_the_previous_file(moe_ckpt, tmp_path, monkeypatc
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dgemma.weights, "save_file", crash)
+    monkeypatch.setattr(dgemma.checkpoints.weights, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         dgemma.save(model, tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before

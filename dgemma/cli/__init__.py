@@ -47,7 +47,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         source = f"preset {args.preset}"
         generation = GenerationConfig()
     else:
-        from ..gguf_file import gguf_path, read_config
+        from ..checkpoints.gguf_file import gguf_path, read_config
 
         directory = args.model_option or args.directory
         source = str(directory)

@@ -37,8 +37,8 @@ def load_for_bench(args: argparse.Namespace):
     it is)."""
 
     from ..bench import random_model
-    from ..cpu import preferred_dtype
-    from ..weights import resolve_dtype
+    from ..checkpoints.weights import resolve_dtype
+    from ..runtime.cpu import preferred_dtype
     from .common import make_runner, resolve_device
 
     device = resolve_device(args.device)

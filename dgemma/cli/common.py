@@ -63,7 +63,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--kernels",
         default="fast",
         choices=["fast", "reference"],
-        help="modules that run fast-mode requests: fast (dgemma.fast: faster norms and experts, CUDA graphs on "
+        help="modules that run fast-mode requests: fast (dgemma.runtime.fast: faster norms and experts, CUDA graphs on "
         "CUDA) or reference (model.py's own). Exact-mode requests always run the reference modules (default fast)",
     )
     g.add_argument("--compile", action="store_true", help="torch.compile the fast modules' denoising pass")
@@ -104,8 +104,8 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def add_format_arg(p: argparse.ArgumentParser) -> None:
     """--format and --gguf-type: the checkpoint layout a command writes."""
-    from ..gguf_file import WRITABLE
-    from ..weights import FORMATS
+    from ..checkpoints.gguf_file import WRITABLE
+    from ..checkpoints.weights import FORMATS
 
     p.add_argument(
         "--format",
@@ -158,11 +158,11 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path, i
     written. `input_ranges`: calibrated activation ranges, for an NVFP4 W4A4 compressed-tensors export."""
     import shutil
 
-    from ..tokenizer import Tokenizer
-    from ..weights import save
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..checkpoints.weights import save
 
     if args.format == "gguf":
-        from ..gguf_file import write
+        from ..checkpoints.gguf_file import write
 
         kind = args.gguf_type or "bf16"
         path = out if out.suffix == ".gguf" else out / f"{source.name}-{kind}.gguf"
@@ -234,7 +234,7 @@ def _default_model_dir() -> Path:
 def make_runner(model, args: argparse.Namespace, *, graphs: bool | None = None):
     """The Runner that --kernels and --compile ask for (fast modules unless --kernels reference); `graphs`
     as Runner takes it (None: on CUDA when the step can be captured)."""
-    from ..runner import Runner
+    from ..runtime.runner import Runner
 
     if args.kernels == "reference":
         if args.compile:
@@ -251,8 +251,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
 
 def load_model(args: argparse.Namespace):
     """The model (reference modules) and tokenizer that add_model_args' flags name."""
-    from ..tokenizer import Tokenizer
-    from ..weights import load
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..checkpoints.weights import load
 
     if args.model is None:
         args.model = _default_model_dir()

@@ -208,10 +208,10 @@ def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, 
 
 def _image_part(screen: Screen, seed: int) -> Part:
     """A held-out scene (dgemma/tasks/shapes.py), shown as text, and the model's answer about it."""
-    from ..runner import accelerate
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..checkpoints.weights import load
+    from ..runtime.runner import accelerate
     from ..tasks import shapes
-    from ..tokenizer import Tokenizer
-    from ..weights import load
 
     screen.title("5. An image: the small vision-language model names its colour and shape")
     model, tok = load(SHAPES_MODEL_DIR), Tokenizer.from_dir(SHAPES_MODEL_DIR)
@@ -236,9 +236,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the tour; return 0."""
     import torch
 
-    from ..runner import accelerate
-    from ..tokenizer import Tokenizer
-    from ..weights import load
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..checkpoints.weights import load
+    from ..runtime.runner import accelerate
 
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)

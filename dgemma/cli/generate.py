@@ -210,8 +210,8 @@ def add_image_args(p) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a reply to one prompt."""
     from ..ar import stream_ar
+    from ..checkpoints.tokenizer import check_unicode
     from ..generate import stream
-    from ..tokenizer import check_unicode
 
     if args.prompt is None or args.prompt == "-":
         text = read_text("-", "the prompt")
@@ -310,8 +310,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_infill(args: argparse.Namespace) -> int:
     """Fill the middle between a prefix and a suffix."""
+    from ..checkpoints.tokenizer import check_unicode
     from ..editing import infill
-    from ..tokenizer import check_unicode
 
     prefix = read_text(args.prefix_file, "--prefix-file") if args.prefix_file else args.prefix
     suffix = read_text(args.suffix_file, "--suffix-file") if args.suffix_file else args.suffix

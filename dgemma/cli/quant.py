@@ -17,8 +17,8 @@ MAX_CALIBRATION_BYTES = 16 * 2**20  # read at most this much calibration text
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Read DIR tensor by tensor, quantizing as it goes, and write OUT (weights, config, tokenizer and
     processor files); with --calibrate, an NVFP4 W4A4 export with calibrated activation scales."""
-    from ..vllm_export import check_spec, vllm_path
-    from ..weights import load
+    from ..checkpoints.vllm_export import check_spec, vllm_path
+    from ..checkpoints.weights import load
     from .common import options_or_positionals, quant_spec, write_checkpoint
 
     src, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.directory, args.out_dir])
@@ -81,9 +81,9 @@ def _calibration_text(path: Path) -> str:
 
 def _calibrate(model, src: Path, text: str, samples: int) -> dict:
     """Every quantized module's input range on `samples` samples of the calibration text."""
+    from ..checkpoints.tokenizer import Tokenizer
     from ..quant import QuantExperts
     from ..quant.calibrate import calibration_batches, fill_experts, input_amax
-    from ..tokenizer import Tokenizer
 
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calibrate tokenizes text with the checkpoint's tokenizer, and {src} has no tokenizer.json")

@@ -41,8 +41,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base checkpoint and write a standalone checkpoint."""
+    from ..checkpoints.weights import load
     from ..train.lora import load_adapter
-    from ..weights import load
     from .common import options_or_positionals, quant_spec, write_checkpoint
 
     flags = {"--model": args.model_option, "--adapter": args.adapter_option, "--out": args.out_option}

@@ -10,7 +10,7 @@ sample through the causal encoder pass, the rest as a canvas with half its token
 `input_amax` returns max|x| by module: a Linear's name, and `<experts>.<e>.gate_up_proj` /
 `<experts>.<e>.down_proj` for each expert the calibration routed tokens to (the others get their layer's
 largest, see fill_experts). dgemma itself runs these weights with unquantized activations; the ranges are
-for vLLM (dgemma/vllm_export.py).
+for vLLM (dgemma/checkpoints/vllm_export.py).
 """
 
 from __future__ import annotations

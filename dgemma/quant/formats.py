@@ -16,7 +16,7 @@ dequantization is a broadcast multiply. What dgemma writes:
   w = e2m1 * (scale / global_scale). The compressed-tensors `nvfp4-pack-quantized` format, quantized as
   that library does (tests/test_compressed_tensors.py checks the bytes).
 
-What dgemma also reads (compressed-tensors checkpoints, dgemma/compressed_tensors.py) and keeps as is:
+What dgemma also reads (compressed-tensors checkpoints, dgemma/checkpoints/compressed_tensors.py) and keeps as is:
 int4 read as q * scale ("symmetric", q in [-8, 7]) or (q - zero_point) * scale ("asymmetric", one zero
 point per group), scales of any float dtype, and int8 codes down to -128.
 """

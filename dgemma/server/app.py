@@ -39,7 +39,7 @@ from ..editing import InfillPlan, canvas_logprobs, choose_middle, plan_infill
 from ..engine import Engine
 from ..images import DEFAULT_BUDGET, chat_prompt
 from ..model import DiffusionGemma
-from ..runner import as_runner
+from ..runtime.runner import as_runner
 from ..settings import SETTINGS, SamplingParams
 from ..structured import json_text
 from ..tool_calls import CALL_OPEN, call_text

@@ -29,7 +29,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import images
-from ..cpu import release_freed_memory
+from ..runtime.cpu import release_freed_memory
 from .protocol import ApiError
 
 MAX_REQUEST_PIXELS = 100_000_000  # decoded pixels of one request's images together (8 photos of 12 MP)

@@ -221,7 +221,7 @@ def _image_part(i: int, part: dict) -> None:
 
 class Message(_Body):
     """One chat message; `content` is a string or a list of parts: text (any role), and images as data:
-    URLs (user messages). Parts of the other roles reach the template as their text (dgemma.tokenizer)."""
+    URLs (user messages). Parts of the other roles reach the template as their text (dgemma.checkpoints.tokenizer)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..tokenizer import train_bpe
+from ..checkpoints.tokenizer import train_bpe
 
 SPLITS = ("train", "validation", "test")
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "code"  # the shipped model

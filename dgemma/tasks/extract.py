@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from ..tokenizer import train_bpe
+from ..checkpoints.tokenizer import train_bpe
 
 FIRST = ("Ana", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kaya", "Liam",
          "Mara", "Nico", "Olga", "Pedro", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yara")  # fmt: skip

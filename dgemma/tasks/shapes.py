@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from ..tokenizer import train_bpe
+from ..checkpoints.tokenizer import train_bpe
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (210, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 210), "yellow": (220, 200, 40)}

@@ -349,7 +349,7 @@ def make_tokenizer():
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ..tokenizer import Tokenizer
+    from ..checkpoints.tokenizer import Tokenizer
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CELL_TOKENS)}
     tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -467,8 +467,8 @@ class ModelSolve:
 def load_model(path: str | Path | None = None, quant: str | None = None, group_size: int = 64):
     """The Sudoku model and its tokenizer (by default the one shipped inside dgemma), optionally
     quantized as it loads (`quant`: int8, int4 or fp8)."""
-    from ..tokenizer import Tokenizer
-    from ..weights import load
+    from ..checkpoints.tokenizer import Tokenizer
+    from ..checkpoints.weights import load
 
     directory = Path(path) if path is not None else MODEL_DIR
     if not (directory / "config.json").is_file():

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.tokenizer import Tokenizer
+from ..checkpoints.weights import load as load_model
+from ..checkpoints.weights import resolve_dtype
+from ..checkpoints.weights import save as save_model
 from ..model import DiffusionGemma
-from ..tokenizer import Tokenizer
-from ..weights import load as load_model
-from ..weights import resolve_dtype
-from ..weights import save as save_model
 from . import distributed, lora
 from .config import TrainConfig
 

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.tokenizer import Tokenizer
+from ..checkpoints.weights import load, resolve_dtype
 from ..config import DiffusionGemmaConfig, TextConfig, preset
 from ..images import GEMMA4_IMAGE_TOKENS, geometry, image_token_strings
 from ..model import DiffusionGemma, build
 from ..quant import quantize_model
-from ..tokenizer import Tokenizer
-from ..weights import load, resolve_dtype
 from . import checkpoint, distributed, lora
 from .config import TrainConfig
 from .data import Example, batch_indices, load_jsonl

@@ -198,7 +198,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """The tokenizer of a GGUF file (dgemma.gguf_file.read_tokenizer); without one in the file, the
+        """The tokenizer of a GGUF file (dgemma.checkpoints.gguf_file.read_tokenizer); without one in the file, the
         tokenizer.json (and chat template) of the file's directory."""
         path = Path(path)
         parts = read_tokenizer(path)
@@ -338,7 +338,7 @@ SPECIAL_TOKENS = [
     "<channel|>",
 ]  # ids 0..9, as Gemma 4 lays its specials out
 IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # dgemma.images.GEMMA4_IMAGE_TOKENS
-TEMPLATE_PATH = Path(__file__).parent / "templates" / "gemma4_chat.jinja"
+TEMPLATE_PATH = Path(__file__).parent.parent / "templates" / "gemma4_chat.jinja"
 
 
 def train_bpe(corpus: list[str], vocab_size: int, *, images: bool = False) -> Tokenizer:

@@ -7,7 +7,7 @@ through `StaticCacheView`: every cached slot is attended (slots not yet written,
 out) and where the canvas sits comes from a one-element tensor, not a Python int. Every canvas of a
 generation then runs the same graph, whatever the prompt length.
 
-A `Runner` made fast on CUDA (dgemma/runner.py) answers its fast-mode denoising calls through a
+A `Runner` made fast on CUDA (dgemma/runtime/runner.py) answers its fast-mode denoising calls through a
 `GraphedDenoise` of its fast twin. Calls it cannot serve (training, row subsets of a batch, stacked caches
 of a server batch, CPU tensors) go to the twin's ordinary denoise.
 On CPU the same static step runs without the graph (`capture=False`), which is how the tests compare it
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import FULL, SLIDING
-from .kv_cache import KVCache
-from .model import DiffusionGemma
+from ..config import FULL, SLIDING
+from ..kv_cache import KVCache
+from ..model import DiffusionGemma
 
 
 class StaticCacheView:

@@ -11,7 +11,7 @@ or in hf_quant_config.json (`{"quantization": {"quant_algo": "NVFP4", ...}}`). U
 
 This is compressed-tensors' NVFP4 under other names, with the global scales inverted: its
 `weight_global_scale` is 1 / `weight_scale_2` (and `input_global_scale` 1 / `input_scale`), so the file is
-presented to dgemma/compressed_tensors.py's reader under those names (ModelOptSource) and read by it:
+presented to dgemma/checkpoints/compressed_tensors.py's reader under those names (ModelOptSource) and read by it:
 one reader, checked once. The compressed-tensors library's `ModelOptNvfp4Converter` renames and inverts
 the same way; tests/test_modelopt.py loads a ModelOpt file and its conversion by that library and finds
 the same weights.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .quant.formats import NVFP4_GROUP
+from ..quant.formats import NVFP4_GROUP
 
 _RENAMED = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}  # inverted too
 _KV_SCALES = ("k_scale", "v_scale")
@@ -81,7 +81,7 @@ def compressed_tensors_config() -> dict:
 
 class ModelOptSource:
     """A ModelOpt NVFP4 checkpoint's tensors under compressed-tensors' names (the tensor source interface
-    of dgemma/weights.py: names, shape, dtype, get, take): a module with a `weight_scale_2` has its uint8
+    of dgemma/checkpoints/weights.py: names, shape, dtype, get, take): a module with a `weight_scale_2` has its uint8
     `weight` as `weight_packed` and its `weight_scale_2` / `input_scale` inverted into
     `weight_global_scale` / `input_global_scale`; the KV cache scales are dropped with a warning."""
 

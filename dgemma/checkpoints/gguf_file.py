@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint_names import hf_name
-from .config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
-from .quant import QuantSpec
-from .quant.formats import pack_nibbles
+from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
+from ..quant import QuantSpec
+from ..quant.formats import pack_nibbles
+from .names import hf_name
 
 ARCH = "diffusion-gemma"
 _LAYER = {  # GGUF blk.N.<name> -> dgemma layers.N.<name>
@@ -203,7 +203,7 @@ def _rope(reader, get, tensors) -> dict:
 def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
     """The tokenizer a GGUF file carries, as (its tokenizers JSON `tokenizer.huggingface.json`, which dgemma
     writes; special tokens by name; `tokenizer.chat_template`), or None when it has no such JSON
-    (dgemma.tokenizer.Tokenizer.from_gguf builds the tokenizer)."""
+    (dgemma.checkpoints.tokenizer.Tokenizer.from_gguf builds the tokenizer)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     reader = _reader(path)
@@ -321,7 +321,7 @@ class GGUFSource:
                 self._add_kept(ours, tensor, KEPT[tensor.tensor_type.name])
 
     def _add_kept(self, weight: str, t, spec: QuantSpec) -> None:
-        from .quant.modules import empty_buffers
+        from ..quant.modules import empty_buffers
 
         with torch.device("meta"):
             for suffix, b in empty_buffers(spec, _shape(t)).items():
@@ -462,7 +462,7 @@ def write(model, path: str | os.PathLike, qtype: str = "bf16", tokenizer=None) -
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    from .quant import QuantExperts, QuantLinear
+    from ..quant import QuantExperts, QuantLinear
 
     if qtype not in WRITABLE:
         raise ValueError(f"GGUF type {qtype!r} is not written by dgemma; choose one of {', '.join(WRITABLE)}")

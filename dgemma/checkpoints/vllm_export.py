@@ -30,9 +30,9 @@ import warnings
 
 import torch
 
-from .checkpoint_names import hf_name, hf_state_dict
-from .quant import QuantExperts, QuantLinear, QuantSpec, fused_group
-from .quant.formats import FP4_MAX, FP8_MAX, Quantized, dequantize, pack_nibbles, quantize_nvfp4
+from ..quant import QuantExperts, QuantLinear, QuantSpec, fused_group
+from ..quant.formats import FP4_MAX, FP8_MAX, Quantized, dequantize, pack_nibbles, quantize_nvfp4
+from .names import hf_name, hf_state_dict
 
 MARLIN_GROUP_SIZES = (32, 64, 128)  # vLLM's Marlin kernels: these, or -1 (per channel)
 # the language model's layers, under the checkpoint's prefix and vLLM's (which does not rename patterns)

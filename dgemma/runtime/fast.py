@@ -16,10 +16,10 @@ which:
   dequantized whole, then the same grouped matmuls (no loop over experts on the host);
 - on CUDA, int8 / fp8 quantized modules use tensor-core matmuls, and nvfp4 ones FP4 matmuls (W4A4) on GPUs
   that have them (Blackwell; dgemma/quant/kernels.py); on a CPU with int8 dot products (AMX-INT8,
-  AVX512-VNNI, AVX-VNNI: dgemma/cpu.py) int8 modules use integer matmuls (W8A8, torch._int_mm).
+  AVX512-VNNI, AVX-VNNI: dgemma/runtime/cpu.py) int8 modules use integer matmuls (W8A8, torch._int_mm).
 
 `print(twin)` shows these modules. The twin is what a `dgemma.Runner` runs for fast-mode requests, compiled
-or replayed from CUDA graphs (dgemma/runner.py; `dgemma.accelerate(model)` makes that runner). The model itself
+or replayed from CUDA graphs (dgemma/runtime/runner.py; `dgemma.accelerate(model)` makes that runner). The model itself
 is never changed, so exact-mode requests keep running the reference modules. Results match the reference
 to float rounding (tests/test_fast.py compares every path).
 """
@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
+from ..moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
+from ..quant import QuantExperts, dequantize, use_kernels
+from ..sampling import chunk_columns
 from .cpu import int8_matmuls
-from .model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
-from .moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
-from .quant import QuantExperts, dequantize, use_kernels
-from .sampling import chunk_columns
 
 # Run all experts densely when that adds fewer than this many multiply-adds over the routed computation.
 DENSE_EXPERTS_MAX_EXTRA = 4_000_000

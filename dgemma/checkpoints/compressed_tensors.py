@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quant import QuantSpec, Spec
-from .quant.formats import NVFP4_GROUP, Quantized, dequantize, unpack_nibbles
-from .quant.modules import empty_buffers
+from ..quant import QuantSpec, Spec
+from ..quant.formats import NVFP4_GROUP, Quantized, dequantize, unpack_nibbles
+from ..quant.modules import empty_buffers
 
 QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape"}
 ACTIVATION_PARAMS = {"input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point"}

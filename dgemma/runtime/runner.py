@@ -5,9 +5,9 @@
     dgemma.generate(runner, prompt)                  # wherever a model goes: generate, Engine, create_app
 
 A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
-over the same weights with the fast modules swapped in (dgemma/fast.py), whose denoising pass it may
+over the same weights with the fast modules swapped in (dgemma/runtime/fast.py), whose denoising pass it may
 compile (its text encodes, and a toy's sampler statistics, too) or replay from captured CUDA graphs
-(dgemma/graphs.py). Which one runs is the request's sampler mode: `exact` requests always run the
+(dgemma/runtime/graphs.py). Which one runs is the request's sampler mode: `exact` requests always run the
 reference modules eagerly, so they keep transformers' numbers on any runner; `fast` requests run the
 twin. A bare model passed where a runner goes is `Runner(model)`: the reference modules for every
 request.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_cache import DenoiseCache, KVCache
+from ..model import DiffusionGemma, EncodeOutput
+from ..sampling import CanvasStats, canvas_stats, chunk_columns
 from .cpu import reuse_freed_memory
 from .fast import capturable, fast_twin
 from .graphs import GraphedDenoise
-from .kv_cache import DenoiseCache, KVCache
-from .model import DiffusionGemma, EncodeOutput
-from .sampling import CanvasStats, canvas_stats, chunk_columns
 
 
 class Runner:
@@ -30,7 +30,7 @@ class Runner:
     any) for fast mode. `compile` applies to the twin's denoising and text encoding passes (and, on a
     CPU, to the sampler's statistics where the vocabulary is one chunk: `canvas_stats`), `graphs`
     (default: on CUDA when the step can be captured) to its denoising pass; `grouped` to its experts
-    (see dgemma.fast.fast_twin)."""
+    (see dgemma.runtime.fast.fast_twin)."""
 
     def __init__(
         self,
@@ -47,7 +47,7 @@ class Runner:
             raise ValueError("compile, graphs and grouped apply to the fast modules: pass fast=True")
         self.model = model
         if model.device.type == "cpu":
-            reuse_freed_memory()  # else every step faults its freed temporaries in again (dgemma/cpu.py)
+            reuse_freed_memory()  # else every step faults its freed temporaries in again (dgemma/runtime/cpu.py)
         self.fast = fast_twin(model, grouped=grouped) if fast else None
         self.compiled = compile and fast
         self.graphs: GraphedDenoise | None = None

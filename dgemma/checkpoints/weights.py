@@ -30,14 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint_names import DEC, ENC, VISION, VISION_ROOT, hf_name, hf_state_dict
-from .compressed_tensors import CompressedSource, is_compressed_tensors
-from .config import DiffusionGemmaConfig, GenerationConfig
-from .gguf_file import GGUFSource, gguf_path
-from .gguf_file import read_config as read_gguf_config
-from .model import DiffusionGemma, Experts
-from .modelopt import ModelOptSource, check_modelopt, compressed_tensors_config, modelopt_config
-from .quant import (
+from ..config import DiffusionGemmaConfig, GenerationConfig
+from ..model import DiffusionGemma, Experts
+from ..quant import (
     QuantSpec,
     Spec,
     check_mode,
@@ -50,7 +45,12 @@ from .quant import (
     swap_modules,
     targets,
 )
-from .quant.formats import quantized_buffers
+from ..quant.formats import quantized_buffers
+from .compressed_tensors import CompressedSource, is_compressed_tensors
+from .gguf_file import GGUFSource, gguf_path
+from .gguf_file import read_config as read_gguf_config
+from .modelopt import ModelOptSource, check_modelopt, compressed_tensors_config, modelopt_config
+from .names import DEC, ENC, VISION, VISION_ROOT, hf_name, hf_state_dict
 from .vllm_export import export
 
 _ENC_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
@@ -199,10 +199,10 @@ def load(
     (dgemma.quant) are quantized as they are read, tensor by tensor (the stacked experts expert by
     expert), so the full precision model is never in memory. A checkpoint that is already quantized
     loads quantized as stored: one written by dgemma (`config.json` has a `quantization` block), or a
-    compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; dgemma/compressed_tensors.py), or
-    NVIDIA ModelOpt NVFP4 (dgemma/modelopt.py).
+    compressed-tensors one (a `quantization_config`: FP8, int4/int8, NVFP4; compressed_tensors.py here), or
+    NVIDIA ModelOpt NVFP4 (modelopt.py).
     `path` may also be a GGUF file of llama.cpp's DiffusionGemma conversion (or a directory holding one):
-    dgemma/gguf_file.py.
+    dgemma/checkpoints/gguf_file.py.
 
     The model is built on the meta device and filled tensor by tensor from the memory-mapped safetensors,
     so the weights are never held twice. `dtype` is float32 / bfloat16 / float16 (or 'fp32', 'bf16', ...),
@@ -485,7 +485,7 @@ def save(
 
     `format`: "dgemma" (transformers' layout; a quantized model's codes and scales under dgemma's names,
     described by a `quantization` block) or "compressed-tensors" (a quantized model as vLLM and the
-    compressed-tensors library read it: dgemma/vllm_export.py; with `input_ranges`, the calibrated input
+    compressed-tensors library read it: dgemma/checkpoints/vllm_export.py; with `input_ranges`, the calibrated input
     ranges of dgemma.quant.calibrate.input_amax, an NVFP4 model is written W4A4). Every file is written to a
     temporary name and renamed into place, so a crash leaves either the old file or the new one, never a
     torn one. The weight files go first and config.json last.
