@@ -6,7 +6,7 @@ quotes), strings sit between `<|"|>` quotes, numbers, `true`/`false`/`null`, `[l
 are written as they are; plain JSON is read too. `parse_tool_calls` reads every call of an answer, or
 none: when one call does not parse, the answer is text (a caller never sees half a call).
 dgemma/templates/gemma4_chat.jinja writes the same syntax (declarations, calls, responses), and
-dgemma/structured.py lays out arguments in it when a call is made by construction.
+dgemma/structured/ lays out arguments in it when a call is made by construction.
 """
 
 from __future__ import annotations

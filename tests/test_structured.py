@@ -9,14 +9,8 @@ import jsonschema
 import pytest
 
 import dgemma
-from dgemma.structured import (
-    StructuredOutputError,
-    _Choice,
-    _Layout,
-    _Read,
-    compile_schema,
-    generate_json,
-)
+from dgemma.structured import StructuredOutputError, compile_schema, generate_json
+from dgemma.structured.nodes import _Choice, _Layout, _Read
 from dgemma.tasks.code import MODEL_DIR
 
 KW = dict(max_denoising_steps=6)

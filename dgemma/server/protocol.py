@@ -333,7 +333,7 @@ class DiffusionSettings(_Body):
     early_commit_steps: int | None = setting_field("early_commit_steps")
     early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
-    response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured.py
+    response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured/
     # extension: the answer is exactly one of these, the one the model scores best (dgemma.choose)
     choices: list[Annotated[Text, Field(min_length=1, max_length=MAX_OPTION_CHARS)]] | None = Field(
         default=None, min_length=1, max_length=MAX_OPTIONS
