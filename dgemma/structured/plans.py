@@ -329,6 +329,7 @@ def _drafted_json(text: str, schema: dict) -> Any:
 
 def _drafted_call(name: str) -> Callable[[str, dict], Any]:
     """The arguments of a free draft's first call of function `name` (None when it has none)."""
+
     def read(text: str, schema: dict) -> Any:
         return next((arguments for called, arguments in parse_tool_calls(text)[0] if called == name), None)
 
