@@ -27,7 +27,7 @@ import dgemma
 from dgemma import accelerate
 from dgemma.ar import generate_ar
 from dgemma.bench import step_flops
-from dgemma.config import preset
+from dgemma.presets import preset
 from dgemma.testing import TINY_VISION, load_quiet
 
 SIZES = {

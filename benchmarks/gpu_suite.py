@@ -30,7 +30,7 @@ import torch
 
 from dgemma import accelerate
 from dgemma.bench import machine_peaks, random_model, run_bench
-from dgemma.config import preset
+from dgemma.presets import preset
 from dgemma.sizes import count_parameters
 
 START = time.perf_counter()

@@ -24,8 +24,8 @@ import torch
 from _measure import add_glibc_defaults_flag, keep_glibc_defaults, matmul_gflops
 
 import dgemma
-from dgemma.config import preset
 from dgemma.model import MLP, Attention, Experts, Router, SelfConditioning
+from dgemma.presets import preset
 from dgemma.quant import QuantExperts, quantize_model, use_kernels
 from dgemma.sampling import SAMPLERS, canvas_stats, fast_transition
 

@@ -13,11 +13,12 @@ from . import images
 from .ar import generate_ar, stream_ar
 from .checkpoints.tokenizer import Tokenizer
 from .checkpoints.weights import load, save
-from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig, preset
+from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig
 from .editing import edit, fill, infill
 from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
+from .presets import preset
 from .runtime.runner import Runner, accelerate
 from .sizes import count_parameters
 from .structured import choose, generate_json

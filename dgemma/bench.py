@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .ar import generate_ar
-from .config import DiffusionGemmaConfig, preset
+from .config import DiffusionGemmaConfig
 from .generate import generate
 from .model import DiffusionGemma
+from .presets import preset
 from .runtime.cpu import cpu_features
 from .runtime.runner import Runner, as_runner
 from .sizes import count_parameters

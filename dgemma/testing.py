@@ -32,7 +32,7 @@ def tiny_text_kwargs(**overrides: Any) -> dict[str, Any]:
     dgemma writes them to config.json (so every oracle checkpoint also checks that transformers reads it)."""
     import dataclasses
 
-    from .config import preset
+    from .presets import preset
 
     text = dataclasses.replace(preset("tiny").text_config, layer_types=None, **overrides)
     kw = text.to_dict()

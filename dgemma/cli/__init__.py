@@ -9,7 +9,8 @@ import warnings
 from pathlib import Path
 
 from .. import __version__
-from ..config import PRESETS, DiffusionGemmaConfig, GenerationConfig, preset
+from ..config import DiffusionGemmaConfig, GenerationConfig
+from ..presets import PRESETS, preset
 from ..sizes import count_parameters, human_count
 from .common import add_model_option
 

@@ -36,9 +36,10 @@ import torch
 
 from ..checkpoints.tokenizer import Tokenizer
 from ..checkpoints.weights import load, resolve_dtype
-from ..config import DiffusionGemmaConfig, TextConfig, preset
+from ..config import DiffusionGemmaConfig, TextConfig
 from ..images import GEMMA4_IMAGE_TOKENS, geometry, image_token_strings
 from ..model import DiffusionGemma, build
+from ..presets import preset
 from ..quant import quantize_model
 from . import checkpoint, distributed, lora
 from .config import TrainConfig
