@@ -15,7 +15,7 @@ import vllm_static
 
 import dgemma
 from dgemma.quant import QuantExperts, QuantSpec, swap_modules
-from dgemma.quant.calibrate import calibration_batches, fill_experts, input_amax
+from dgemma.quant.calibrate import calibration_batches, input_amax
 
 EXPORTS = {  # name -> (spec, W4A4, vLLM's scheme of every quantized module)
     "fp8": (QuantSpec.of("fp8"), False, "W8A8Fp8"),
@@ -49,11 +49,7 @@ def _amax(model) -> dict[str, torch.Tensor]:
     batches = calibration_batches(
         ids.tolist(), batch_size=4, prompt_length=16, canvas_length=model.config.canvas_length, batches=2
     )
-    amax = input_amax(model, batches, 16)
-    for name, m in model.named_modules():
-        if isinstance(m, QuantExperts):
-            amax |= fill_experts(amax, name, m.shapes["gate_up_proj"][0])
-    return amax
+    return input_amax(model, batches, 16)
 
 
 def _export(src, dst, spec: QuantSpec, w4a4: bool):

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..quant.formats import NVFP4_GROUP
+from ..quant.formats import NVFP4_GROUP, QuantSpec
+from .vllm_export import quantization_config
 
 _RENAMED = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}  # inverted too
 _KV_SCALES = ("k_scale", "v_scale")
@@ -67,16 +68,8 @@ def check_modelopt(block: dict, where: str = "the ModelOpt config") -> bool:
 
 def compressed_tensors_config() -> dict:
     """The compressed-tensors `quantization_config` a ModelOpt NVFP4 file reads as: NVFP4 for every
-    Linear that holds codes (ModelOptSource decides which do, by their tensors)."""
-    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "format": "nvfp4-pack-quantized"}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "nvfp4-pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": group},
-        "ignore": [],
-    }
+    Linear that holds codes (ModelOptSource decides which do, by their tensors), as the exporter writes it."""
+    return quantization_config({QuantSpec.of("nvfp4"): []}, ignore=[])
 
 
 class ModelOptSource:

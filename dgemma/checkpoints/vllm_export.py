@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from ..quant import QuantExperts, QuantLinear, QuantSpec, fused_group
+from ..quant import QuantExperts, QuantLinear, QuantSpec, fused_amax, fused_group
 from ..quant.formats import FP4_MAX, FP8_MAX, Quantized, dequantize, pack_nibbles, quantize_nvfp4
 from .names import hf_name, hf_state_dict
 
@@ -93,7 +93,6 @@ def _weights_args(spec: QuantSpec, w4a4: bool) -> tuple[dict, dict | None, str]:
         args |= {"scale_dtype": "torch.float8_e4m3fn"}
         inputs = args | {"dynamic": "local", "observer": "static_minmax"} if w4a4 else None
         return args, inputs, "nvfp4-pack-quantized"
-    check_spec(spec)
     per = (
         {"strategy": "group", "group_size": spec.group_size}
         if spec.group_size
@@ -186,7 +185,7 @@ def _shared_nvfp4(linears: dict[str, tuple[Quantized, QuantSpec]]) -> None:
         if len(scales) == 1:
             continue
         weights = {m: dequantize(linears[m][0]) for m in group}
-        amax = torch.stack([w.abs().amax() for w in weights.values()]).amax()
+        amax = fused_amax(name, weights.get)
         for m, w in weights.items():
             linears[m] = (quantize_nvfp4(w, amax), linears[m][1])
         warnings.warn(
@@ -217,6 +216,8 @@ def export(model, input_amax: dict[str, torch.Tensor] | None = None) -> tuple[di
             experts[name] = (module, _common_expert_spec(module, name))
     if not linears and not experts:
         raise ValueError("the model has no quantized weights; quantize it first (--quant)")
+    for spec in {spec for _, spec in [*linears.values(), *experts.values()]}:
+        check_spec(spec)
     _check_groups(linears)
     _shared_nvfp4(linears)
     w4a4 = input_amax is not None
@@ -225,8 +226,7 @@ def export(model, input_amax: dict[str, torch.Tensor] | None = None) -> tuple[di
     tensors: dict[str, torch.Tensor] = {}
     members: dict[QuantSpec, list[str]] = {}
 
-    def put(ours: str, q: Quantized, spec: QuantSpec, amax_key: str) -> None:
-        check_spec(spec)
+    def put(ours: str, q: Quantized, amax_key: str) -> None:
         hf = hf_name(ours)
         tensors.update({f"{hf}.{k}": v.contiguous() for k, v in compressed_tensors_of(q).items()})
         if w4a4:
@@ -237,7 +237,7 @@ def export(model, input_amax: dict[str, torch.Tensor] | None = None) -> tuple[di
     for name, (q, spec) in linears.items():
         # one activation range per fused group (the same input): the largest its members saw
         seen = [m for m in fused_group(name) if w4a4 and m in input_amax]
-        put(name, q, spec, max(seen, key=input_amax.get) if seen else name)
+        put(name, q, max(seen, key=input_amax.get) if seen else name)
         members.setdefault(spec, []).append(name)
     for root, (module, spec) in experts.items():
         for e in range(module.shapes["gate_up_proj"][0]):
@@ -245,9 +245,9 @@ def export(model, input_amax: dict[str, torch.Tensor] | None = None) -> tuple[di
             if spec.mode == "int4":
                 gate_up, down = _regroup(gate_up, spec.group_size), _regroup(down, spec.group_size)
             half = gate_up.shape[0] // 2
-            put(f"{root}.{e}.gate_proj", _split_rows(gate_up, slice(0, half)), spec, f"{root}.{e}.gate_up_proj")
-            put(f"{root}.{e}.up_proj", _split_rows(gate_up, slice(half, None)), spec, f"{root}.{e}.gate_up_proj")
-            put(f"{root}.{e}.down_proj", down, spec, f"{root}.{e}.down_proj")
+            put(f"{root}.{e}.gate_proj", _split_rows(gate_up, slice(0, half)), f"{root}.{e}.gate_up_proj")
+            put(f"{root}.{e}.up_proj", _split_rows(gate_up, slice(half, None)), f"{root}.{e}.gate_up_proj")
+            put(f"{root}.{e}.down_proj", down, f"{root}.{e}.down_proj")
         members.setdefault(spec, []).append(root)
     held = {f"{n}.{b}" for n in [*linears, *experts] for b, _ in model.get_submodule(n).named_buffers(recurse=False)}
     ours = dict(model.state_dict())
@@ -275,21 +275,23 @@ def _kind(name: str) -> tuple[str, str]:
     raise ValueError(f"{name}: dgemma quantizes no module of this kind")
 
 
-def _targets(modules: list[str], everything: dict[str, QuantSpec]) -> list[str]:
-    """Patterns (`re:`, matched from the start) for the modules of one config group: a kind on every
-    layer when the group holds all of its layers, else the kind on each of its layers. They match the
-    checkpoint's names (`model.decoder.layers.N.self_attn.q_proj`) and vLLM's fused modules and shards
-    (`model.layers.N.self_attn.qkv_proj`, its `v_proj` on global layers too)."""
-    kinds: dict[str, set[str]] = {}
+def _layers_by_kind(modules: list[str]) -> dict[str, set[str]]:
+    """The layers (indices) each kind of module (its pattern) is found on, among `modules` (ours)."""
+    out: dict[str, set[str]] = {}
     for name in modules:
         layer, pattern = _kind(name)
-        kinds.setdefault(pattern, set()).add(layer)
-    everywhere: dict[str, set[str]] = {}
-    for name in everything:
-        layer, pattern = _kind(name)
-        everywhere.setdefault(pattern, set()).add(layer)
+        out.setdefault(pattern, set()).add(layer)
+    return out
+
+
+def _targets(modules: list[str], everywhere: dict[str, set[str]]) -> list[str]:
+    """Patterns (`re:`, matched from the start) for the modules of one config group: a kind on every
+    layer when the group holds all of its layers (`everywhere`: every group's), else the kind on each
+    of its layers. They match the checkpoint's names (`model.decoder.layers.N.self_attn.q_proj`) and
+    vLLM's fused modules and shards (`model.layers.N.self_attn.qkv_proj`, its `v_proj` on global layers
+    too)."""
     out = []
-    for pattern, layers in sorted(kinds.items()):
+    for pattern, layers in sorted(_layers_by_kind(modules).items()):
         if layers == everywhere[pattern]:
             out.append(rf"re:{_LAYERS}\d+\.{pattern}$")
         else:
@@ -311,10 +313,10 @@ def quantization_config(members: dict[QuantSpec, list[str]], ignore: list[str], 
     """The `quantization_config` of config.json for modules (our names) stored as their spec: one config
     group each; with one group it targets every Linear, with several, patterns (_targets)."""
     groups, formats = {}, set()
-    everything = {m: spec for spec, ms in members.items() for m in ms}
+    everywhere = _layers_by_kind([m for ms in members.values() for m in ms]) if len(members) > 1 else {}
     for i, (spec, modules) in enumerate(members.items()):
         weights, inputs, fmt = _weights_args(spec, w4a4)
-        targets = ["Linear"] if len(members) == 1 else _targets(modules, everything)
+        targets = ["Linear"] if len(members) == 1 else _targets(modules, everywhere)
         groups[f"group_{i}"] = {"targets": targets, "weights": weights, "input_activations": inputs, "format": fmt}
         formats.add(fmt)
     return {

@@ -38,6 +38,7 @@ from ..quant import (
     check_mode,
     describe_spec,
     describe_specs,
+    fused_amax,
     fused_group,
     quantized_buffer_names,
     quantized_weight_names,
@@ -375,13 +376,12 @@ def _read_state(model, source, primary: dict, device, target, quantize: QuantSpe
 
 
 def _fused_amax(source, primary: dict, ours: str, cache: dict) -> torch.Tensor | None:
-    """max|w| over the fused group (dgemma.quant.fused_group) of the Linear weight `ours`, read once per
-    group from the checkpoint; None for a weight in no group."""
-    group = tuple(f"{m}.weight" for m in fused_group(ours.removesuffix(".weight")))
-    if len(group) == 1:
-        return None
+    """dgemma.quant.fused_amax of the Linear weight `ours`, its group's weights read from the checkpoint
+    once per group."""
+    module = ours.removesuffix(".weight")
+    group = tuple(fused_group(module))
     if group not in cache:
-        cache[group] = torch.stack([source.get(primary[w]).abs().amax().float() for w in group if w in primary]).amax()
+        cache[group] = fused_amax(module, lambda m: source.get(primary[w]) if (w := f"{m}.weight") in primary else None)
     return cache[group]
 
 

@@ -82,8 +82,7 @@ def _calibration_text(path: Path) -> str:
 def _calibrate(model, src: Path, text: str, samples: int) -> dict:
     """Every quantized module's input range on `samples` samples of the calibration text."""
     from ..checkpoints.tokenizer import Tokenizer
-    from ..quant import QuantExperts
-    from ..quant.calibrate import calibration_batches, fill_experts, input_amax
+    from ..quant.calibrate import calibration_batches, input_amax
 
     if not (src / "tokenizer.json").is_file():
         raise ValueError(f"--calibrate tokenizes text with the checkpoint's tokenizer, and {src} has no tokenizer.json")
@@ -101,9 +100,6 @@ def _calibrate(model, src: Path, text: str, samples: int) -> dict:
     amax = input_amax(model, batches, CALIBRATION_PROMPT, progress=report)
     if report:
         print(file=sys.stderr)
-    for name, module in model.named_modules():
-        if isinstance(module, QuantExperts):
-            amax |= fill_experts(amax, name, module.shapes["gate_up_proj"][0])
     return amax
 
 

@@ -16,6 +16,8 @@ reads. What stays in the model's dtype, and why:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,6 +39,7 @@ __all__ = [
     "check_mode",
     "dequantize",
     "describe",
+    "fused_amax",
     "fused_group",
     "quantize",
     "quantize_model",
@@ -71,16 +74,21 @@ def fused_group(name: str) -> list[str]:
     return [name]
 
 
-def _group_amax(model: DiffusionGemma, name: str) -> torch.Tensor:
-    """max|w| over the fused group of the Linear `name`, over the members the model has (no v_proj on
-    global layers); read before any of them is swapped."""
-    amax = []
-    for member in fused_group(name):
-        parent, _, child = member.rpartition(".")
-        linear = getattr(model.get_submodule(parent), child, None)
-        if isinstance(linear, nn.Linear):
-            amax.append(linear.weight.detach().abs().amax().float())
-    return torch.stack(amax).amax()
+def fused_amax(name: str, weight_of: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
+    """max|w| over the fused group of the Linear `name` (fused_group), each member's weight given by
+    `weight_of(member)` (None for a member the model lacks: no v_proj on global layers); None for a
+    Linear in no group. NVFP4 derives the group's one global scale from it."""
+    group = fused_group(name)
+    if len(group) == 1:
+        return None
+    weights = [w for w in map(weight_of, group) if w is not None]
+    return torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+
+
+def _linear_weight(model: DiffusionGemma, name: str) -> torch.Tensor | None:
+    parent, _, child = name.rpartition(".")
+    linear = getattr(model.get_submodule(parent), child, None)
+    return linear.weight if isinstance(linear, nn.Linear) else None
 
 
 def describe(mode: str, group_size: int | None) -> dict:
@@ -129,12 +137,11 @@ def swap_modules(model: DiffusionGemma, specs: dict[str, Spec], *, empty: bool =
     """Replace the named modules by quantized ones stored as their spec: quantizing their weights
     (dgemma's own formats), or (`empty`) with zero-filled buffers of the right shapes, to be filled from a
     checkpoint."""
-    amax = {  # nvfp4: one global scale per fused group, from the full-precision weights
-        name: _group_amax(model, name)
+    amax = {  # nvfp4: one global scale per fused group, from the full-precision weights before any swap
+        name: fused_amax(name, lambda m: _linear_weight(model, m))
         for name, spec in specs.items()
         if not empty and isinstance(spec, QuantSpec) and spec.mode == "nvfp4"
-        and isinstance(model.get_submodule(name), nn.Linear)
-    }  # fmt: skip
+    }
     for name, spec in specs.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)

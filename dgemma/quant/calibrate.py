@@ -8,8 +8,8 @@ sample through the causal encoder pass, the rest as a canvas with half its token
 (the training corruption at noise level 0.5), denoised twice, the second time self-conditioned.
 
 `input_amax` returns max|x| by module: a Linear's name, and `<experts>.<e>.gate_up_proj` /
-`<experts>.<e>.down_proj` for each expert the calibration routed tokens to (the others get their layer's
-largest, see fill_experts). dgemma itself runs these weights with unquantized activations; the ranges are
+`<experts>.<e>.down_proj` for every expert (those the calibration routed no token to get their layer's
+largest). dgemma itself runs these weights with unquantized activations; the ranges are
 for vLLM (dgemma/checkpoints/vllm_export.py).
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..model import DiffusionGemma
+from ..sampling import random_tokens
 from .modules import QuantExperts, QuantLinear
 
 
@@ -45,7 +46,8 @@ def input_amax(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """max|x| of the inputs of every quantized Linear and expert of `model` over the calibration
-    `batches` (see the module docstring), fp32 scalars by name."""
+    `batches` (see the module docstring), fp32 scalars by name; an expert no token reached takes its
+    layer's largest (_fill_experts)."""
     amax: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
@@ -65,10 +67,10 @@ def input_amax(
             ids = ids.to(model.device)
             cache = model.new_cache(ids.shape[0], ids.shape[1])
             model.encode(ids[:, :prompt_length], cache)
-            canvas = ids[:, prompt_length:].clone()
-            noise = torch.rand(canvas.shape, generator=generator) < 0.5
-            random = torch.randint(0, model.config.text_config.vocab_size, canvas.shape, generator=generator)
-            canvas[noise.to(canvas.device)] = random.to(canvas.device)[noise.to(canvas.device)]
+            canvas = ids[:, prompt_length:]
+            noise = (torch.rand(canvas.shape, generator=generator) < 0.5).to(model.device)
+            random = random_tokens(canvas.shape, model.text_config.vocab_size, "cpu", generator).to(model.device)
+            canvas = torch.where(noise, random, canvas)
             logits = model.denoise(canvas, cache)
             model.denoise(canvas, cache, model.soft_embedding(logits))
             if progress:
@@ -78,6 +80,9 @@ def input_amax(
             h.remove()
         for module in patched:
             del module.linear
+    for name, module in model.named_modules():
+        if isinstance(module, QuantExperts):
+            amax |= _fill_experts(amax, name, module.shapes["gate_up_proj"][0])
     return amax
 
 
@@ -89,7 +94,7 @@ def _recording(linear, root: str, record):
     return wrapped
 
 
-def fill_experts(amax: dict[str, torch.Tensor], root: str, num_experts: int) -> dict[str, torch.Tensor]:
+def _fill_experts(amax: dict[str, torch.Tensor], root: str, num_experts: int) -> dict[str, torch.Tensor]:
     """Every expert's gate_up_proj / down_proj input range under `root`: its own, or, for an expert the
     calibration routed no token to, the largest of its layer's (a scale that cannot clip what the others
     saw)."""
