@@ -165,6 +165,9 @@ def main() -> None:
     parser.add_argument("--steps", default="12,16,20,48", help="fixed steps per canvas to measure")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--engines", default="graphs,eager,fp8", help="dgemma stages to run: graphs, eager (no CUDA graphs), fp8"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -235,9 +238,12 @@ def main() -> None:
         r.peaks = results["machine"]
         return bench_row(r)
 
-    stage(results, "dgemma", lambda: measure("dgemma"))
-    stage(results, "dgemma (no CUDA graphs)", lambda: measure("no graphs", graphs=False))
-    fp8 = device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
+    engines = set(args.engines.split(","))
+    if "graphs" in engines:
+        stage(results, "dgemma", lambda: measure("dgemma"))
+    if "eager" in engines:
+        stage(results, "dgemma (no CUDA graphs)", lambda: measure("no graphs", graphs=False))
+    fp8 = "fp8" in engines and (device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9))
     if fp8:
 
         def quantized():
