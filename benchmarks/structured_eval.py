@@ -35,7 +35,8 @@ import time
 import jsonschema
 
 import dgemma
-from dgemma.structured import StructuredOutputError, first_object, generate_json, generate_json_ar
+from dgemma.programs import generate_json
+from dgemma.structured import StructuredOutputError, first_object, generate_json_ar
 from dgemma.tasks import extract
 from dgemma.tasks.code import MODEL_DIR as CODE_DIR
 

@@ -14,14 +14,13 @@ from .ar import generate_ar, stream_ar
 from .checkpoints.tokenizer import Tokenizer
 from .checkpoints.weights import load, save
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig
-from .editing import edit, fill, infill
 from .generate import GenerationResult, SamplingParams, Session, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
 from .presets import preset
+from .programs import choose, edit, fill, generate_json, infill, tool_call
 from .runtime.runner import Runner, accelerate
 from .sizes import count_parameters
-from .structured import choose, generate_json
 from .tracing import Trace, trace
 
 __version__ = "0.1.0"
@@ -56,5 +55,6 @@ __all__ = [
     "save",
     "stream",
     "stream_ar",
+    "tool_call",
     "trace",
 ]

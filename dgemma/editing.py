@@ -1,4 +1,6 @@
-"""Infilling, editing and templates: denoising with some canvas positions given and pinned.
+"""Infilling, editing and templates: denoising with some canvas positions given and pinned. This module
+lays them out and checks them; their programs (and the public `fill`, `infill`, `edit`) are in
+dgemma/programs.py.
 
 All three are one mechanism. `fill(template)` generates a sequence in which the positions of the
 template that hold a token keep it (they are pinned: never renoised) and the holes (None) are generated
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generate import GenerationResult, SamplingParams, generate, left_pad
+from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, run, score
+from .generate import GenerationResult
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
 
@@ -93,6 +96,15 @@ def max_middle_length(model: DiffusionGemma) -> int:
     return max(model.config.canvas_length - 1, 1)
 
 
+def infill_limit(model: DiffusionGemma, suffix: list[int]) -> int:
+    """The longest middle an infill before `suffix` takes: one that leaves the canvas room for the suffix
+    and its end, up to half the canvas (so that the middle still sees what follows it), and at most
+    `max_middle_length`. The library and the server take the same rule: a longer middle asked for is
+    reduced to it."""
+    c = model.config.canvas_length
+    return max(1, min(max_middle_length(model), c - min(len(suffix) + 1, c // 2)))
+
+
 def infill_template(model: DiffusionGemma, suffix_ids: list[int], middle_length: int) -> list[int | None]:
     """The canvas an infill denoises: `[middle_length holes (None) | suffix | end-of-text ...]`.
 
@@ -117,25 +129,10 @@ def cut_at_end(model: DiffusionGemma, middle_ids: list[int]) -> list[int]:
     return next((list(middle_ids[:i]) for i, t in enumerate(middle_ids) if t in ends), list(middle_ids))
 
 
-def fill(
-    model: DiffusionGemma | Runner,
-    template: list[int | None] | list[list[int | None]],
-    prompt: list[int] | list[list[int]] | None = None,
-    params: SamplingParams | None = None,
-    *,
-    allowed=None,
-    **overrides,
-) -> GenerationResult:
-    """Generate a sequence shaped like `template`: given token ids are kept, holes (None) are generated.
-
-    A batch takes a list of templates of equal length (and a prompt per template). Templates longer than a
-    canvas continue in the next canvases. The result's `tokens` hold the whole sequence, holes filled.
-    `allowed`, aligned with the template, restricts what a hole may hold: per position None (any token)
-    or a set of token ids (one list for every row, or one per row; see dgemma.constraints). `model` may
-    be a Runner.
-    """
-    runner = as_runner(model)
-    model = runner.model
+def fill_rows(model: DiffusionGemma, template, prompt, overrides: dict) -> tuple[list[list[int]], torch.Tensor, dict]:
+    """A fill's templates checked and laid out: the prompts (one per template; an empty one is the BOS
+    token), the templates as pins [rows, length], and the settings (stop tokens off unless given; the
+    length is the template's, so `max_new_tokens` is refused)."""
     batch = template if template and isinstance(template[0], list) else [template]
     if not batch or not all(isinstance(t, list) and t for t in batch):
         raise ValueError("template must be a non-empty list of token ids and None (holes)")
@@ -146,7 +143,6 @@ def fill(
         _check_ids([x for x in t if x is not None], vocab, f"template {i}")
         if all(x is not None for x in t):
             raise ValueError(f"template {i} has no hole (None) to fill")
-    pins = template_pins(batch)
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt or []] * len(batch)
     if len(prompts) != len(batch):
         raise ValueError(f"{len(prompts)} prompts for {len(batch)} templates")
@@ -156,8 +152,7 @@ def fill(
             "max_new_tokens does not apply here: the template's length (for infill, the middle length) "
             "decides how many tokens are generated"
         )
-    overrides.setdefault("stop_token_ids", [])  # a template is filled to its full length
-    return generate(runner, prompts, params, pins=pins, allowed=allowed, max_new_tokens=pins.shape[1], **overrides)
+    return prompts, template_pins(batch), {"stop_token_ids": [], **overrides}
 
 
 def template_pins(templates: list[list[int | None]]) -> torch.Tensor:
@@ -218,121 +213,54 @@ def plan_infill(
     length_score: str = "encoder",
     longest: int | None = None,
 ) -> InfillPlan:
-    """Validate an infill and lay out its rows: "auto" tries 2, 4, 8, ... up to `longest` (default and at
-    most `max_middle_length`), an integer that one length. ValueErrors name what is wrong."""
+    """Validate an infill and lay out its rows: "auto" tries 2, 4, 8, ... up to `longest` (default:
+    `infill_limit`; at most `max_middle_length`), an integer that one length, reduced to that limit when
+    longer (the result's `middle_length` says the length used; the server's `max_tokens` is this integer).
+    ValueErrors name what is wrong."""
     model = as_runner(model).model
     if length_score not in ("encoder", "denoiser"):
         raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
     prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
     suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
-    limit = max_middle_length(model) if longest is None else max(1, min(longest, max_middle_length(model)))
+    limit = infill_limit(model, suffix) if longest is None else max(1, min(longest, max_middle_length(model)))
     if middle_length == "auto":
         lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
-    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and 0 < middle_length <= limit:
-        lengths = [middle_length]
+    elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and middle_length > 0:
+        lengths = [min(middle_length, limit)]  # editors ask for 128-256: the most that still sees the suffix
     else:
         raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
     templates = [infill_template(model, suffix, n) for n in lengths]
     return InfillPlan(prefix, suffix, _start_prompt(model, prefix), lengths, templates, length_score)
 
 
-def choose_middle(
-    model: DiffusionGemma | Runner, plan: InfillPlan, result: GenerationResult, *, tokenizer=None
-) -> InfillResult:
-    """The middle of each row of a plan's fill, cut at the end of text, and the one kept: the only one, or
-    with several lengths the best by `plan.length_score` (model passes: run it where the model runs)."""
-    runner = as_runner(model)
-    middles = [cut_at_end(runner.model, row[:n]) for row, n in zip(result.tokens, plan.lengths, strict=True)]
-    scores: dict[int, float] = {}
-    best = 0
-    if len(plan.lengths) > 1:
-        score = _encoder_scores if plan.length_score == "encoder" else _denoiser_scores
-        values = score(runner, plan.prompt, middles, plan.suffix)
-        scores = dict(zip(plan.lengths, values, strict=True))
-        best = max(range(len(plan.lengths)), key=lambda i: values[i])
-    middle = middles[best]
-    out = InfillResult(middle, plan.prefix + middle + plan.suffix, plan.lengths[best], scores, result, row=best)
-    if tokenizer is not None:
-        out.text = tokenizer.decode(out.tokens)
-        out.middle_text = tokenizer.decode(middle)
-    return out
-
-
-def infill(
-    model: DiffusionGemma | Runner,
-    prefix: list[int] | str,
-    suffix: list[int] | str,
-    middle_length: int | str = "auto",
-    params: SamplingParams | None = None,
-    *,
-    tokenizer=None,
-    length_score: str = "encoder",
-    **overrides,
-) -> InfillResult:
-    """Generate the middle between `prefix` and `suffix`, seeing both (see the module docstring).
-    `model` may be a Runner."""
-    runner = as_runner(model)
-    plan = plan_infill(runner, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=length_score)
-    result = fill(runner, plan.templates, plan.prompts, params, **overrides)
-    return choose_middle(runner, plan, result, tokenizer=tokenizer)
-
-
-def _encoder_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):
-    """Mean encoder log-probability of each middle and the `SCORED_SUFFIX` tokens after it.
-
-    What follows a middle is the suffix, then the end of the text: with a short or empty suffix the
-    end-of-text token is scored too, so the model says whether the text can end there (and an empty
-    middle before an empty suffix still has a token to score).
-    """
-    after = suffix + end_of_text_ids(runner.model)[:1]
-    texts = [m + after[:SCORED_SUFFIX] for m in middles]
-    return [float(lp.mean()) for lp in continuation_logprobs(runner, prompt, texts)]
-
-
-@torch.no_grad()
 def continuation_logprobs(
     model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]]
 ) -> list[torch.Tensor]:
-    """The encoder's next-token log-probability of each token of each continuation after `prompt`.
-
-    All rows in one batch, in two causal passes: the prompt (but its last token), then that token and the
-    continuations, right-padded (a causal encoder never lets a real token see the padding after it).
-    Returns one 1-D tensor per row, on the CPU.
-    """
-    runner = as_runner(model)
-    model = runner.model
-    rows = len(continuations)
-    if not prompt or any(not c for c in continuations):
-        raise ValueError("continuation_logprobs needs a non-empty prompt and non-empty continuations")
-    width = 1 + max(len(c) for c in continuations)
-    tail = torch.zeros(rows, width, dtype=torch.long)
-    for i, c in enumerate(continuations):
-        tail[i, : 1 + len(c)] = torch.tensor(prompt[-1:] + c)
-    cache = model.new_cache(rows, len(prompt) - 1 + width)
-    if len(prompt) > 1:
-        runner.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache)
-    tail = tail.to(model.device)
-    logp = torch.log_softmax(runner.encode(tail, cache, return_logits=True).logits[:, :-1].float(), dim=-1)
-    token_logp = logp.gather(-1, tail[:, 1:, None]).squeeze(-1)
-    return [token_logp[i, : len(c)].cpu() for i, c in enumerate(continuations)]
+    """The encoder's next-token log-probability of each token of each continuation after `prompt`, one 1-D
+    CPU tensor per continuation (what a ScoreCall answers: dgemma.calls.score)."""
+    return score(model, prompt, continuations).logprobs
 
 
-@torch.no_grad()
+def prompt_logprobs_program(prompt: list[int], k: int = 0):
+    """The causal encoder's log-probability of each prompt token given the ones before it (None for the
+    first), and the k likeliest tokens at each position as (id, log-probability): one Score call over the
+    whole prompt, what an evaluation harness reads from `echo` with `logprobs` (the encoder's co-loss
+    trained exactly this). A program (dgemma/calls.py)."""
+    if not prompt:
+        raise ValueError("prompt_logprobs needs a non-empty prompt")
+    if len(prompt) == 1:
+        yield DoneEvent(([None], [None]))
+        return
+    scored = yield ScoreCall(prompt[:1], [prompt[1:]], top=k)
+    top = scored.top[0] if k else [[] for _ in prompt[1:]]
+    yield DoneEvent(([None, *scored.logprobs[0].tolist()], [None, *top]))
+
+
 def prompt_logprobs(
     model: DiffusionGemma | Runner, prompt: list[int], k: int = 0
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """The causal encoder's log-probability of each prompt token given the ones before it (None for the
-    first), and the k likeliest tokens at each position as (id, log-probability): one pass, what an
-    evaluation harness reads from `echo` with `logprobs` (the encoder's co-loss trained exactly this)."""
-    runner = as_runner(model)
-    model = runner.model
-    if not prompt:
-        raise ValueError("prompt_logprobs needs a non-empty prompt")
-    ids = torch.tensor([prompt], device=model.device)
-    cache = model.new_cache(1, len(prompt))
-    logp = torch.log_softmax(runner.encode(ids, cache, return_logits=True).logits[0, :-1].float(), dim=-1)
-    chosen = [None, *logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()]
-    return chosen, [None, *_alternatives(logp, k)]
+    """`prompt_logprobs_program` run alone."""
+    return run(as_runner(model), prompt_logprobs_program(prompt, k))
 
 
 def _alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -343,16 +271,11 @@ def _alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
-@torch.no_grad()
-def canvas_logprobs(
-    model: DiffusionGemma | Runner, prompt: list[int], canvas: list[int], k: int = 0
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
+def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: list[int], k: int = 0):
     """A read-only denoising pass: the canvas is read as it is (nothing sampled, nothing renoised, no
     self-conditioning), and each of its tokens gets the denoiser's log-probability there, with the k
     likeliest tokens at each position. A canvas shorter than the model's is followed by end-of-text
-    tokens, as an infill's is (those are not reported); a longer one is refused."""
-    runner = as_runner(model)
-    model = runner.model
+    tokens, as an infill's is (those are not reported); a longer one is refused. A program."""
     c = model.config.canvas_length
     vocab = model.text_config.vocab_size
     prompt, canvas = _check_ids(list(prompt), vocab, "prompt"), _check_ids(list(canvas), vocab, "canvas")
@@ -360,55 +283,27 @@ def canvas_logprobs(
         raise ValueError(f"canvas_logprobs needs a prompt and a canvas of 1 to {c} tokens")
     full = canvas + end_of_text_ids(model)[:1] * (c - len(canvas))
     cache = model.new_cache(1, len(prompt))
-    runner.encode(torch.tensor([prompt], device=model.device), cache)
+    yield EncodeCall(torch.tensor([prompt], device=model.device), cache)
     ids = torch.tensor([full], device=model.device)
-    logp = torch.log_softmax(runner.denoise(ids, cache)[0, : len(canvas)].float(), dim=-1)
+    logits = yield DenoiseCall(ids, cache)
+    logp = torch.log_softmax(logits[0, : len(canvas)].float(), dim=-1)
     chosen = logp.gather(-1, ids[0, : len(canvas), None]).squeeze(-1).tolist()
-    return chosen, _alternatives(logp, k)
+    yield DoneEvent((chosen, _alternatives(logp, k)))
 
 
-@torch.no_grad()
-def _denoiser_scores(runner: Runner, prompt: list[int], middles: list[list[int]], suffix: list[int]):
-    """Mean log-probability one denoising pass gives each middle and what follows it in its canvas.
-
-    Each middle is placed in the canvas of its own (cut) length, `[middle | suffix | end-of-text ...]`; the
-    scored tokens are the middle, the visible suffix and the first end-of-text pin when the canvas has one.
-    """
-    model = runner.model
-    canvas_length, end = model.config.canvas_length, end_of_text_ids(model)[0]
-    canvases, scored = [], []
-    for m in middles:
-        template, visible = _infill_template(len(m), suffix, canvas_length, end)
-        canvases.append(m + template[len(m) :])
-        scored.append(min(len(m) + visible + 1, canvas_length))
-    rows = len(middles)
-    ids, _ = left_pad([prompt] * rows, 0, model.device)
-    cache = model.new_cache(rows, ids.shape[1])
-    runner.encode(ids, cache)
-    canvas = torch.tensor(canvases, device=model.device)
-    logp = torch.log_softmax(runner.denoise(canvas, cache), dim=-1)
-    token_logp = logp.gather(-1, canvas[..., None]).squeeze(-1)
-    return [float(token_logp[i, : scored[i]].mean()) for i in range(rows)]
-
-
-def edit(
-    model: DiffusionGemma | Runner,
-    ids: list[int] | str,
-    span: tuple[int, int],
-    params: SamplingParams | None = None,
-    *,
-    new_length: int | None = None,
-    tokenizer=None,
-    **overrides,
-) -> InfillResult:
-    """Rewrite `ids[span[0]:span[1]]` (token positions) with everything else kept and in view.
-
-    The replacement has the span's length unless `new_length` says otherwise (a span of length 0 with a
-    `new_length` inserts); it is shorter when the model ends the text inside it. The text before the span
-    is the prefix, the text after it the suffix. `model` may be a Runner.
-    """
+def canvas_logprobs(
+    model: DiffusionGemma | Runner, prompt: list[int], canvas: list[int], k: int = 0
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`canvas_logprobs_program` run alone."""
     runner = as_runner(model)
-    model = runner.model
+    return run(runner, canvas_logprobs_program(runner.model, prompt, canvas, k))
+
+
+def plan_edit(
+    model: DiffusionGemma, ids: list[int] | str, span: tuple[int, int], new_length: int | None, tokenizer=None
+) -> tuple[list[int], list[int], int]:
+    """An edit checked and laid out as an infill: the prefix (before the span), the suffix (after it) and
+    the replacement's length (the span's unless `new_length` says otherwise)."""
     ids = _check_ids(_text_or_ids(ids, tokenizer, "text"), model.text_config.vocab_size, "text")
     if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
         raise ValueError(f"span must be a (start, end) pair of token positions (got {span!r})")
@@ -422,4 +317,4 @@ def edit(
             f"the replacement must have between 1 and {limit} tokens (got {n}); give new_length "
             "for an insertion (an empty span)"
         )
-    return infill(runner, ids[:a], ids[b:], n, params, tokenizer=tokenizer, **overrides)
+    return ids[:a], ids[b:], n

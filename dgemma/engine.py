@@ -1,9 +1,11 @@
 """A batching engine for serving: many requests, one model, one background thread.
 
-Each request runs the same canvas loop as `dgemma.generate` (its own prompt, cache, sampling settings
-and random generator). What the engine adds is that the loops' model calls are batched: every step, the
-current canvas of each active request goes through one `denoise` pass together (their caches stacked,
-each at its own length), and each loop then continues on its share of the logits. New requests join at
+Each request is a program (dgemma/programs.py: generate, fill, infill, JSON, a tool call, choose), the
+same generator the library drives alone (`dgemma.calls.run`), with its own caches, sampling settings and
+random generator. What the engine adds is that the programs' model calls are batched: every step, the
+current canvas of each request that asks for a denoising pass goes through one `denoise` pass together
+(their caches stacked, each at its own length), and each program then continues on its share of the
+logits; encodes (prompts, commits) and scores are answered in the same step. New requests join at
 the next step (up to `max_batch` active); beyond that they wait in a queue bounded in requests and in prompt
 tokens (the prefill work waiting); a full queue is refused at once so the server can answer 429. A
 request that is cancelled (its client went away) or runs past its deadline is dropped at the next step,
@@ -20,8 +22,7 @@ reference modules, as `dgemma.generate` would alone, so they keep transformers' 
 runner and whoever else is being served.
 
 Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
-which the web layer reads. `call(fn)` runs other model work on the engine thread between two steps (a
-server scores an infill's candidate middles so); a request may hold several rows (an infill's lengths).
+which the web layer reads; a request may hold several rows (an infill's lengths).
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
-from .generate import DenoiseCall, DoneEvent, DraftEvent, EncodeCall, LogitsBuffer, SamplingParams, answer, prepare
+from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, LogitsBuffer, ModelCall, answer
+from .generate import DraftEvent, GenerationResult, SamplingParams
 from .kv_cache import StackedCache
 from .model import DiffusionGemma
+from .programs import generate_program
 from .runtime.runner import Runner, as_runner
 
 
@@ -58,31 +60,47 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class EngineRequest:
-    prompt: list[int] | list[list[int]]  # one row, or several (left-padded, as dgemma.generate takes them)
-    params: SamplingParams | dict  # or a dict of SamplingParams fields
-    pins: torch.Tensor | None = None
-    allowed: object = None  # constraints.Allowed: tokens each generated position may hold
-    logprobs: int | None = None  # put each token's log-probability (and this many alternatives) in the result
-    pixels: object = None  # vision.Pixels of the prompt's images
+    """One program to run (dgemma/programs.py), and how: its events go to `events`; `cancel` ends it."""
+
+    program: Generator  # events and model calls, a DoneEvent last
+    prompt_tokens: int = 0  # the prefill work it brings (the waiting queue is bounded in these)
     want_drafts: bool = False
+    global_rng: bool = False  # exact mode: draws from torch's global generator (run with its own saved state)
     timeout: float | None = None  # seconds from submission
     id: int = field(default_factory=itertools.count().__next__)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     # engine side
-    _loop: object = None
-    _call: DenoiseCall | EncodeCall | None = None  # the model call its loop waits on
+    _call: ModelCall | None = None  # the model call its program waits on
     _rng_state: tuple | None = None  # exact mode: this request's own global generator state
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    @property
-    def prompt_tokens(self) -> int:
-        """The tokens its prefill encodes (every row)."""
-        rows = self.prompt if self.prompt and isinstance(self.prompt[0], list) else [self.prompt]
-        return sum(len(row) for row in rows)
+
+def generation_request(
+    runner: Runner, prompt, params: SamplingParams | dict, *, want_drafts: bool = False, timeout=None, **kwargs
+) -> EngineRequest:
+    """An EngineRequest of `dgemma.generate`'s program (`kwargs`: pins, allowed, logprobs, pixels)."""
+    params = SamplingParams(**params) if isinstance(params, dict) else params
+    rows = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+    return EngineRequest(
+        generate_program(runner, prompt, params, **kwargs),
+        prompt_tokens=sum(len(r) for r in rows),
+        want_drafts=want_drafts,
+        global_rng=params.mode == "exact",
+        timeout=timeout,
+    )
+
+
+def _tokens_generated(result) -> int:
+    """The tokens of a program's last generation or fill (0 for a choice among options)."""
+    while not isinstance(result, GenerationResult):
+        result = getattr(result, "result", None) or getattr(result, "json", None)
+        if result is None:
+            return 0
+    return sum(len(t) for t in result.tokens)
 
 
 @dataclass
@@ -121,7 +139,6 @@ class Engine:
         self.max_queued_tokens = max_queued_tokens
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
-        self._calls: deque[tuple[Callable[[Runner], object], Future]] = deque()
         self._active: list[EngineRequest] = []
         self._logits = LogitsBuffer(self.model.text_config.vocab_size, self.model.device)  # fast batches'
         self._running = 0  # active requests as the submitting threads see them (updated under the lock)
@@ -153,17 +170,6 @@ class Engine:
             self._lock.notify()
         return request
 
-    def call(self, fn: Callable[[Runner], object]) -> Future:
-        """Run `fn(runner)` on the engine thread before its next step (model passes outside the batched
-        denoising, such as scoring); the Future holds what it returns or raises. ShuttingDown once draining."""
-        future: Future = Future()
-        with self._lock:
-            if self._draining:
-                raise ShuttingDown("the server is shutting down")
-            self._calls.append((fn, future))
-            self._lock.notify()
-        return future
-
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -183,13 +189,9 @@ class Engine:
             self._draining = True
             waiting = list(self._waiting)
             self._waiting.clear()
-            calls = list(self._calls)
-            self._calls.clear()
             self._lock.notify()
         for request in waiting:
             request.events.put(ShuttingDown("the server is shutting down"))
-        for _, future in calls:
-            future.set_exception(ShuttingDown("the server is shutting down"))
 
     def close(self) -> None:
         self.drain()
@@ -203,18 +205,14 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._lock:
-                    while not self._stop and not self._waiting and not self._active and not self._calls:
+                    while not self._stop and not self._waiting and not self._active:
                         self._lock.wait()
                     if self._stop:
                         break
-                    calls = list(self._calls)
-                    self._calls.clear()
                     admitted = []
                     while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                         admitted.append(self._waiting.popleft())
                     self._running = len(self._active) + len(admitted)
-                for fn, future in calls:
-                    self._call(fn, future)
                 for request in admitted:
                     self._start(request)
                 self._step()
@@ -222,14 +220,6 @@ class Engine:
                     self._running = len(self._active)
         for request in list(self._active) + list(self._waiting):
             request.events.put(ShuttingDown("the server is shutting down"))
-
-    def _call(self, fn: Callable[[Runner], object], future: Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(self.runner))
-        except Exception as e:  # the caller's to handle; the engine goes on
-            future.set_exception(e)
 
     def _gone(self, request: EngineRequest, now: float) -> bool:
         """Whether `request` ends here because its client left (cancelled) or its deadline passed (it gets
@@ -241,29 +231,17 @@ class Engine:
             request.events.put(RequestTimeout(f"the request took longer than {request.timeout:g} s"))
         else:
             return False
-        if request._loop is not None:
-            request._loop.close()
+        request.program.close()
         return True
 
     def _start(self, request: EngineRequest) -> None:
-        """Validate the request and run its loop up to its first model call (its prompt's encode, run at the
-        next step); nothing for a request whose client left, or whose deadline passed, while it waited."""
+        """Run the request's program up to its first model call (run at the next step); nothing for a
+        request whose client left, or whose deadline passed, while it waited. A program checks what it
+        is given when it starts: a bad request ends here, with its error as its event."""
         if self._gone(request, time.monotonic()):
             return
-        params = request.params
-        if isinstance(params, dict):
-            params = SamplingParams(**params)
-        if params.mode == "exact":
-            request._rng_state = self._rng_state()  # seeded (or not) by prepare, then kept apart
-        try:
-            with self._own_rng(request):
-                r = request
-                kw = dict(pins=r.pins, allowed=r.allowed, logprobs=r.logprobs, pixels=r.pixels)
-                r._loop = prepare(self.runner, r.prompt, params, **kw)
-        except Exception as e:  # a bad request must not stop the engine
-            self.stats.requests_failed += 1
-            request.events.put(e)
-            return
+        if request.global_rng:
+            request._rng_state = self._rng_state()  # seeded (or not) by the program, then kept apart
         self._active.append(request)
         self._advance(request, None)
 
@@ -298,16 +276,16 @@ class Engine:
     def _resume(self, request: EngineRequest, reply) -> None:
         try:
             while True:
-                item = request._loop.send(reply)
+                item = request.program.send(reply)
                 reply = None
-                if isinstance(item, DenoiseCall | EncodeCall):
+                if isinstance(item, MODEL_CALLS):
                     request._call = item
                     return
                 if isinstance(item, DraftEvent) and not request.want_drafts:
                     continue
                 if isinstance(item, DoneEvent):
                     self.stats.requests_finished += 1
-                    self.stats.tokens_generated += sum(len(t) for t in item.result.tokens)
+                    self.stats.tokens_generated += _tokens_generated(item.result)
                 request.events.put(item)
         except StopIteration:
             request._call = None
@@ -323,7 +301,7 @@ class Engine:
             if r._call is None:
                 continue
             if self._draining:
-                r._loop.close()
+                r.program.close()
                 r.events.put(ShuttingDown("the server is shutting down"))
                 continue
             if not self._gone(r, now):
@@ -331,11 +309,11 @@ class Engine:
         self._active = keep
 
     def _step(self) -> None:
-        """The encodes the active requests wait on (prompts, commits), one at a time; then one denoising
-        pass for the fast requests together, and one for each exact request."""
+        """The encodes and scores the active requests wait on (prompts, commits), one at a time; then one
+        denoising pass for the fast requests together, and one for each exact request."""
         self._drop_finished()
-        for r in [r for r in self._active if isinstance(r._call, EncodeCall)]:
-            self._encode(r)
+        for r in [r for r in self._active if not isinstance(r._call, DenoiseCall)]:
+            self._answer_alone(r)
         self._active = [r for r in self._active if r._call is not None]
         denoising = [r for r in self._active if isinstance(r._call, DenoiseCall)]
         fast = [r for r in denoising if not r._call.exact]
@@ -349,18 +327,19 @@ class Engine:
         if not self._active:
             self._logits.release()  # idle: hold no logits
 
-    def _encode(self, request: EngineRequest) -> None:
-        """Run the encode `request` waits on, then resume it to its next model call (a request whose loop
-        asks for encodes in a row gets them all)."""
-        while isinstance(request._call, EncodeCall):
+    def _answer_alone(self, request: EngineRequest) -> None:
+        """Run the encodes and scores `request` waits on, one after the other, until it asks for a denoising
+        pass (or ends)."""
+        while request._call is not None and not isinstance(request._call, DenoiseCall):
             try:
-                answer(self.runner, request._call)
+                reply = answer(self.runner, request._call)
             except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
                 self.stats.requests_failed += 1
                 request._call = None
+                request.program.close()
                 request.events.put(e)
                 return
-            self._advance(request, None)
+            self._advance(request, reply)
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""

@@ -29,6 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .calls import (  # noqa: F401 (the calls are public here too, where they were first)
+    MODEL_CALLS,
+    DenoiseCall,
+    DoneEvent,
+    EncodeCall,
+    LogitsBuffer,
+    ModelCall,
+    answer,
+    drive,
+    run,
+)
 from .constraints import Allowed, as_allowed
 from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
@@ -102,37 +113,6 @@ class GenerationResult:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
-@dataclass
-class DoneEvent:
-    result: GenerationResult
-
-
-@dataclass
-class DenoiseCall:
-    """The canvas loop asks its driver to run the model: `logits = yield DenoiseCall(...)`. Keeping the call
-    outside the loop lets a server batch the canvases of many requests into one forward pass."""
-
-    tokens: torch.Tensor  # [b, C]
-    cache: KVCache
-    self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
-    exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
-
-
-@dataclass
-class EncodeCall:
-    """The loop asks its driver to encode tokens into a cache: its prompt first, then each committed canvas
-    (`yield EncodeCall(...)`; the reply is None). Yielded like DenoiseCall, so that a driver runs every model
-    pass of the loop and a server can schedule the prefills and commits of many requests."""
-
-    ids: torch.Tensor  # [b, T]
-    cache: KVCache
-    attention_mask: torch.Tensor | None = None  # [b, T], 0 marks left padding
-    pixels: object = None  # vision.Pixels of the images whose placeholders `ids` holds
-    is_generated: bool = False  # a committed canvas (may hold the image placeholder id), not a prompt
-    exact: bool = False  # exact mode: the reference modules
-
-
-ModelCall = DenoiseCall | EncodeCall
 Event = DraftEvent | TokensEvent | DoneEvent
 MAX_LOGPROBS = 20  # alternatives per token a result may carry
 
@@ -652,60 +632,6 @@ def stream(
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event
-
-
-class LogitsBuffer:
-    """One [b, C, V] fp32 logits buffer for the fast steps of a driven loop (or of a server's batches):
-    each step's logits are used up before the next step is asked for, and on a CPU a fresh allocation
-    of this size is faulted in page by page on every step (~8 ms for 32 MB). It grows to the most rows
-    asked for; `release` drops it (an idle server)."""
-
-    def __init__(self, vocab: int, device: torch.device):
-        self.vocab, self.device = vocab, device
-        self.tensor: torch.Tensor | None = None
-
-    def rows(self, shape: torch.Size) -> torch.Tensor:
-        """The buffer's first b rows for canvas tokens of `shape` [b, C]."""
-        b, c = shape
-        if self.tensor is None or self.tensor.shape[1] != c or self.tensor.shape[0] < b:
-            self.tensor = torch.empty(b, c, self.vocab, dtype=torch.float32, device=self.device)
-        return self.tensor[:b]
-
-    def release(self) -> None:
-        self.tensor = None
-
-
-def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) -> torch.Tensor | None:
-    """Run one model call of a loop on `runner`: a DenoiseCall's logits (written into `buffer`'s rows where
-    the runner writes in place), None for an EncodeCall."""
-    if isinstance(call, EncodeCall):
-        with torch.no_grad():
-            runner.encode(
-                call.ids, call.cache, call.attention_mask, exact=call.exact, pixels=call.pixels,
-                is_generated=call.is_generated,
-            )  # fmt: skip
-        return None
-    out = buffer.rows(call.tokens.shape) if buffer is not None and runner.writes_in_place(call.exact) else None
-    return runner.denoise(call.tokens, call.cache, call.self_conditioning, exact=call.exact, out=out)
-
-
-def drive(model: DiffusionGemma | Runner, loop: Generator, observe=None) -> Iterator[Event]:
-    """Run a canvas loop on its own: answer each model call (`answer`), pass events through. `observe(call)`,
-    if given, sees every DenoiseCall before it is answered (stage 2 records the states)."""
-    runner = as_runner(model)
-    reply, buffer = None, LogitsBuffer(runner.text_config.vocab_size, runner.device)
-    while True:
-        try:
-            item = loop.send(reply)
-        except StopIteration:
-            return
-        if isinstance(item, DenoiseCall | EncodeCall):
-            if observe is not None and isinstance(item, DenoiseCall):
-                observe(item)
-            reply = answer(runner, item, buffer)
-        else:
-            reply = None
-            yield item
 
 
 def generate(

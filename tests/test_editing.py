@@ -93,11 +93,12 @@ def test_middle_ends_at_its_first_end_of_text_token(model):
     seen = 0
     with boosted_eos(model, 4.0):
         for seed in range(4):
-            r = infill(model, [5, 6, 7], [40, 41], 6, max_denoising_steps=3, seed=seed)
-            raw = r.result.tokens[0][:6]
+            # 5: the longest middle that leaves the canvas room for the suffix and its end (infill_limit)
+            r = infill(model, [5, 6, 7], [40, 41], 5, max_denoising_steps=3, seed=seed)
+            raw = r.result.tokens[0][:5]
             seen += EOS in raw
             assert r.middle == _cut(raw) and EOS not in r.middle
-            assert r.tokens == [5, 6, 7, *r.middle, 40, 41] and r.middle_length == 6
+            assert r.tokens == [5, 6, 7, *r.middle, 40, 41] and r.middle_length == 5
     assert seen, "the boosted model should end the text inside some middle (else this test checks nothing)"
 
 
@@ -169,6 +170,16 @@ def test_text_api_with_tokenizer(model, tmp_path):
     assert r.middle_text == tok.decode(r.middle)
 
 
+def test_a_middle_too_long_to_see_the_suffix_is_reduced_as_the_server_reduces_it(model):
+    """`middle_length` (the server's `max_tokens` with `suffix`) above `infill_limit` is reduced to it: the
+    canvas keeps room for the suffix and its end, up to half the canvas; the result says the length used."""
+    from dgemma.editing import infill_limit
+
+    for suffix in ([6], list(range(40, 52))):
+        r = infill(model, [5], suffix, middle_length=99, **KW)
+        assert r.middle_length == infill_limit(model, suffix) == 8 - min(len(suffix) + 1, 4)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -178,8 +189,7 @@ def test_text_api_with_tokenizer(model, tmp_path):
         (lambda m: fill(m, [[None], [None, 1]]), "same length"),
         (lambda m: fill(m, [[None], [None]], prompt=[[1], [2], [3]]), "3 prompts for 2 templates"),
         (lambda m: infill(m, [5], [6], middle_length=0), "middle_length must be"),
-        (lambda m: infill(m, [5], [6], middle_length=99), "middle_length must be"),
-        (lambda m: infill(m, [5], [6], middle_length=8), r"integer in \[1, 7\]"),  # the middle must see the suffix
+        (lambda m: infill(m, [5], [6], middle_length=-3), "middle_length must be"),
         (lambda m: infill(m, "text", [6]), "needs a tokenizer"),
         (lambda m: infill(m, [5], [6], length_score="best"), "length_score must be"),
         (lambda m: edit(m, [5, 6, 7], (2, 9)), "not within the text"),

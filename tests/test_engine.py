@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from dgemma.engine import Engine, EngineRequest, RequestTimeout, ShuttingDown
+from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
 from dgemma.generate import DoneEvent, DraftEvent, generate
 from dgemma.testing import load_quiet
 
@@ -88,7 +88,7 @@ def solo(model, prompt, params):
 def test_batched_requests_get_the_tokens_they_get_alone(model, engine):
     cases = requests(seed=0)
     alone = [solo(model, prompt, params) for prompt, params in cases]
-    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+    submitted = [engine.submit(generation_request(engine.runner, prompt, dict(params))) for prompt, params in cases]
     batched = [collect(r) for r in submitted]
     assert [(r.tokens[0], r.finish_reasons[0]) for r in batched] == alone
     assert engine.stats.row_steps > engine.stats.denoising_steps  # they did share forward passes
@@ -99,10 +99,10 @@ def test_a_cancelled_and_a_timed_out_request_leave_the_others_unchanged(model, e
     cases = requests(seed=1)
     alone = [solo(model, prompt, params) for prompt, params in cases]
     long = dict(seed=99, max_new_tokens=160, max_denoising_steps=8)  # far longer than the others
-    doomed = [EngineRequest([7, 8, 9], dict(long), want_drafts=True) for _ in range(2)]
+    doomed = [generation_request(engine.runner, [7, 8, 9], dict(long), want_drafts=True) for _ in range(2)]
     for request in doomed:
         engine.submit(request)
-    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+    submitted = [engine.submit(generation_request(engine.runner, prompt, dict(params))) for prompt, params in cases]
     for request in doomed:  # both have taken part in a batched step before they go
         assert isinstance(request.events.get(timeout=WAIT), DraftEvent)
     doomed[0].cancel()
@@ -132,8 +132,8 @@ def test_exact_requests_batched_together_get_their_solo_tokens(model, engine):
     seeded, seedless = requests(seed=2)[:2]
     cases = [*exact, seeded]
     alone = [solo(model, prompt, params) for prompt, params in cases]
-    submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
-    other = engine.submit(EngineRequest(seedless[0], {**seedless[1], "seed": None}))
+    submitted = [engine.submit(generation_request(engine.runner, prompt, dict(params))) for prompt, params in cases]
+    other = engine.submit(generation_request(engine.runner, seedless[0], {**seedless[1], "seed": None}))
     assert [(r.tokens[0], r.finish_reasons[0]) for r in (collect(r) for r in submitted)] == alone
     assert not isinstance(collect(other), Exception)
     assert engine.stats.row_steps > engine.stats.denoising_steps
@@ -159,10 +159,15 @@ def test_an_accelerated_engine_answers_exact_requests_on_the_reference_modules(m
             module.register_forward_hook(lambda *_: fast_calls.append(1))
     engine = Engine(runner, max_batch=8)
     try:
-        served = [collect(engine.submit(EngineRequest(prompt, dict(params)))) for prompt, params in exact]
+        served = [
+            collect(engine.submit(generation_request(engine.runner, prompt, dict(params)))) for prompt, params in exact
+        ]
         assert not fast_calls  # not one fast module ran for them
-        submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in exact]
-        others = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in requests(seed=3)[:2]]
+        submitted = [engine.submit(generation_request(engine.runner, prompt, dict(params))) for prompt, params in exact]
+        others = [
+            engine.submit(generation_request(engine.runner, prompt, dict(params)))
+            for prompt, params in requests(seed=3)[:2]
+        ]
         served += [collect(r) for r in submitted]
         assert all(not isinstance(collect(r), Exception) for r in others)
     finally:
@@ -170,26 +175,6 @@ def test_an_accelerated_engine_answers_exact_requests_on_the_reference_modules(m
     for got, want in zip(served, alone + alone, strict=True):
         assert got.tokens == want.tokens and torch.equal(got.sequences, want.sequences)
     assert fast_calls  # the fast requests ran the fast modules
-
-
-def test_calls_run_on_the_engine_thread_between_steps(model):
-    """`Engine.call(fn)` runs fn(runner) on the engine's own thread (where a server scores infills), hands
-    back what it returns or raises, keeps the engine going after an error, and is refused once draining."""
-    import threading
-
-    engine = Engine(model, max_batch=2)
-    try:
-        running = engine.submit(EngineRequest([5, 6, 7], dict(seed=0, max_new_tokens=16, max_denoising_steps=4)))
-        seen = engine.call(lambda runner: (threading.current_thread().name, runner.model is model)).result(WAIT)
-        assert seen == ("dgemma-engine", True)
-        with pytest.raises(ZeroDivisionError):
-            engine.call(lambda runner: 1 / 0).result(WAIT)
-        assert not isinstance(collect(running), Exception)  # the request beside the calls finished
-        engine.drain()
-        with pytest.raises(ShuttingDown):
-            engine.call(lambda runner: None)
-    finally:
-        engine.close()
 
 
 def test_fast_batches_reuse_one_logits_buffer_and_release_it_when_idle(model):
@@ -208,7 +193,7 @@ def test_fast_batches_reuse_one_logits_buffer_and_release_it_when_idle(model):
     try:
         cases = requests(seed=2)
         alone = [solo(model, prompt, params) for prompt, params in cases]
-        submitted = [engine.submit(EngineRequest(prompt, dict(params))) for prompt, params in cases]
+        submitted = [engine.submit(generation_request(engine.runner, prompt, dict(params))) for prompt, params in cases]
         assert [(r.tokens[0], r.finish_reasons[0]) for r in map(collect, submitted)] == alone
         # every fast step got the buffer, and it was reused (it is regrown only when a batch outgrows it)
         assert seen and None not in seen and len(set(seen)) <= 4 < len(seen)
@@ -233,14 +218,20 @@ def test_requests_whose_clients_left_while_they_waited_are_never_prefilled(model
 
     monkeypatch.setattr(engine.runner, "encode", counted)
     try:
-        busy = EngineRequest([5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True)
+        busy = generation_request(
+            engine.runner, [5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True
+        )
         engine.submit(busy)
         assert isinstance(busy.events.get(timeout=WAIT), DraftEvent)  # it holds the one batch slot
-        left = [engine.submit(EngineRequest([6] * 40, dict(seed=1, max_new_tokens=8))) for _ in range(6)]
-        late = engine.submit(EngineRequest([7] * 41, dict(seed=2, max_new_tokens=8), timeout=0.0))
+        left = [
+            engine.submit(generation_request(engine.runner, [6] * 40, dict(seed=1, max_new_tokens=8))) for _ in range(6)
+        ]
+        late = engine.submit(generation_request(engine.runner, [7] * 41, dict(seed=2, max_new_tokens=8), timeout=0.0))
         for request in left:
             request.cancel()
-        after = engine.submit(EngineRequest([8] * 4, dict(seed=3, max_new_tokens=8, max_denoising_steps=2)))
+        after = engine.submit(
+            generation_request(engine.runner, [8] * 4, dict(seed=3, max_new_tokens=8, max_denoising_steps=2))
+        )
         assert not isinstance(collect(after), Exception) and isinstance(collect(late), RequestTimeout)
         assert not isinstance(collect(busy), Exception)
     finally:
@@ -256,16 +247,20 @@ def test_the_prefill_work_waiting_is_bounded(model):
 
     engine = Engine(model, max_batch=1, max_queue=64, max_queued_tokens=100)
     try:
-        busy = EngineRequest([5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True)
+        busy = generation_request(
+            engine.runner, [5] * 3, dict(seed=0, max_new_tokens=128, max_denoising_steps=8), want_drafts=True
+        )
         engine.submit(busy)
         assert isinstance(busy.events.get(timeout=WAIT), DraftEvent)  # running: nothing waits yet
-        first = engine.submit(EngineRequest([6] * 60, dict(seed=1, max_new_tokens=8)))
+        first = engine.submit(generation_request(engine.runner, [6] * 60, dict(seed=1, max_new_tokens=8)))
         with pytest.raises(QueueFull, match="prompt tokens"):
-            engine.submit(EngineRequest([6] * 41, dict(seed=1, max_new_tokens=8)))
-        second = engine.submit(EngineRequest([6] * 40, dict(seed=1, max_new_tokens=8)))
+            engine.submit(generation_request(engine.runner, [6] * 41, dict(seed=1, max_new_tokens=8)))
+        second = engine.submit(generation_request(engine.runner, [6] * 40, dict(seed=1, max_new_tokens=8)))
         for request in (busy, first, second):
             assert not isinstance(collect(request), Exception)
-        alone = engine.submit(EngineRequest([6] * 150, dict(seed=1, max_new_tokens=8)))  # nothing else waits
+        alone = engine.submit(
+            generation_request(engine.runner, [6] * 150, dict(seed=1, max_new_tokens=8))
+        )  # nothing else waits
         assert not isinstance(collect(alone), Exception)
     finally:
         engine.close()

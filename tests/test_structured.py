@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 import dgemma
-from dgemma.structured import StructuredOutputError, compile_schema, generate_json
+from dgemma.programs import generate_json, read_answer
+from dgemma.structured import StructuredOutputError, compile_schema
 from dgemma.structured.nodes import _Choice, _Layout, _Read
 from dgemma.tasks.code import MODEL_DIR
 
@@ -115,7 +116,7 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
     choice = plan.root.properties[0][1]
     filler = tok.encode("1", add_special_tokens=False)[0]
     tokens = [t if t is not None else filler for t in plan.template]
-    value, error = plan.read(model, prompt, tokens)
+    value, error = read_answer(model, plan, prompt, tokens)
     assert error is None
     from dgemma.editing import continuation_logprobs
 
@@ -266,7 +267,7 @@ def test_a_draft_sizes_the_template_as_the_tokenizer_splits_the_answer():
         plan = base.resize(f"some text {answer} and more")  # the draft's first object sizes the holes
         tokens = tok.encode(answer, add_special_tokens=False)
         assert _aligned(plan, tokens), answer  # "," closing a string and opening a key is one pinned token
-        assert plan.read(model, [], tokens + plan.template[len(tokens) :]) == (json.loads(answer), None)
+        assert read_answer(model, plan, [], tokens + plan.template[len(tokens) :]) == (json.loads(answer), None)
         assert not _aligned(base, tokens)  # the schema's budgets alone do not split the answer so
 
 

@@ -181,6 +181,7 @@ def test_the_shipped_models_carry_the_template():
 
 def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
     from dgemma.checkpoints.tokenizer import Tokenizer
+    from dgemma.programs import read_answer
     from dgemma.structured import tool_call_plan
     from dgemma.testing import load_quiet
 
@@ -195,7 +196,7 @@ def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
     tokens = tok.encode(text, add_special_tokens=False)
     head = drafted.template[: len(tokens)]
     assert all(t == p for t, p in zip(tokens, head, strict=True) if p is not None)  # the call's own split
-    assert drafted.read(model, [], tokens + drafted.template[len(tokens) :]) == (arguments, None)
+    assert read_answer(model, drafted, [], tokens + drafted.template[len(tokens) :]) == (arguments, None)
     other = plan.resize(call_text("get_time", {}))  # no call of this function: the schema's budgets
     assert other.root.properties[0][1].length is None
 

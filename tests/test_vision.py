@@ -285,7 +285,7 @@ def test_fast_generation_commits_a_placeholder_and_goes_on(pair, tower, name):
 def test_an_engine_batch_goes_on_when_a_canvas_draws_the_placeholder(pair):
     """In a served batch, the request whose canvas holds the placeholder commits it, and the request beside
     it gets the tokens it gets alone."""
-    from dgemma.engine import Engine, EngineRequest
+    from dgemma.engine import Engine, generation_request
     from dgemma.generate import DoneEvent
 
     _, model = pair
@@ -296,8 +296,8 @@ def test_an_engine_batch_goes_on_when_a_canvas_draws_the_placeholder(pair):
     engine = Engine(runner, max_batch=4)
     try:
         settings = dict(seed=1, max_new_tokens=3 * c, max_denoising_steps=3, stop_token_ids=[])
-        drawn = engine.submit(EngineRequest(_text(5, 16), settings, allowed=_forced(c)))
-        beside = engine.submit(EngineRequest(other[0], dict(other[1])))
+        drawn = engine.submit(generation_request(engine.runner, _text(5, 16), settings, allowed=_forced(c)))
+        beside = engine.submit(generation_request(engine.runner, other[0], dict(other[1])))
         results = []
         for request in (drawn, beside):
             event = request.events.get(timeout=120)

@@ -143,7 +143,7 @@ def _ar_part(runner, tok, tokens: int) -> Part:
 def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from ..editing import infill
+    from ..programs import infill
 
     screen.title("2. Infilling: the middle, with both sides in view")
     screen.print(Text(INFILL_PREFIX) + Text("<fill>", style="reverse") + Text(INFILL_SUFFIX), end="")
@@ -160,7 +160,7 @@ def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
 def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from ..editing import edit
+    from ..programs import edit
 
     screen.title("3. Editing: one span rewritten, the rest kept")
     before, span, after = (tok.encode(x, add_special_tokens=False) for x in (EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER))

@@ -252,7 +252,7 @@ def _read_schema(path: Path) -> dict:
 
 def _generate_json(runner, tokenizer, ids, pixels, schema: dict, args) -> int:
     """--json-schema: the answer as JSON valid against the schema (dgemma.generate_json)."""
-    from ..structured import generate_json
+    from ..programs import generate_json
 
     out = generate_json(runner, ids, schema, tokenizer=tokenizer, pixels=pixels, **sampling_overrides(args))
     extra = {"json": out.value, "attempts": out.attempts, "steps": out.steps}
@@ -311,7 +311,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_infill(args: argparse.Namespace) -> int:
     """Fill the middle between a prefix and a suffix."""
     from ..checkpoints.tokenizer import check_unicode
-    from ..editing import infill
+    from ..programs import infill
 
     prefix = read_text(args.prefix_file, "--prefix-file") if args.prefix_file else args.prefix
     suffix = read_text(args.suffix_file, "--suffix-file") if args.suffix_file else args.suffix

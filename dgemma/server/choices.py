@@ -1,20 +1,22 @@
-"""The choices of one HTTP request, run on the engine: submission, the events of every choice merged into
-one stream of pieces (text, drafts, ends), stop strings applied as soon as they are final, cancellation
-when the client goes away. Both endpoints, streaming or not, read the same pieces."""
+"""The choices of one HTTP request, run on the engine: each choice is a program (dgemma/programs.py) the
+route built, submitted; the events of every choice are merged into one stream of pieces (text, drafts,
+ends), stop strings applied as soon as they are final, cancellation when the client goes away. A
+composite program's answer (JSON, a tool call, an infill's middle, a chosen option) is whole: it is sent
+when the choice ends. Both endpoints, streaming or not, read the same pieces."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass, field
 
-import torch
-
+from ..calls import DoneEvent
+from ..editing import InfillResult
 from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout, ShuttingDown
-from ..generate import DoneEvent, DraftEvent, GenerationResult, SamplingParams, TokensEvent
-from ..structured import StructuredOutputError
+from ..generate import DraftEvent, GenerationResult, TokensEvent
+from ..programs import Chosen
+from ..structured import JsonResult, StructuredOutputError
 from .output import StreamText
 from .protocol import ApiError
 
@@ -58,13 +60,9 @@ class Choice:
     ended: bool = False
     row: int = 0  # the row of the request's result that is this choice's output (an infill's chosen length)
     details: dict = field(default_factory=dict)  # what the answer says of this choice in its `dgemma` block
-    answer: str | None = None  # the text to send, when a finish writes it (a JSON answer) rather than decoding
-    finish_reason: str | None = None  # set by a finish that knows (a whole JSON answer: "stop")
+    answer: str | None = None  # the text to send, when the program writes it (a JSON answer) rather than decoding
+    finish_reason: str | None = None  # set by a program whose answer is whole ("stop")
     logprobs: tuple[list[float], list] | None = None  # with logprobs: per output token, and its alternatives
-
-
-# After a choice's request is done: its output tokens and the row they come from (see run's `finish`).
-Finish = Callable[[Choice, GenerationResult], Awaitable[tuple[list[int], int]]]
 
 
 def as_api_error(event: Exception) -> ApiError:
@@ -81,33 +79,34 @@ def as_api_error(event: Exception) -> ApiError:
     return ApiError(500, "generation failed", kind="server_error")
 
 
+# A route's programs: build(j, seed) is choice i of prompt j's program, run with seed + i.
+Build = Callable[[int, int | None], Generator]
+
+
 def submit(
     engine: Engine,
-    prompts: list[list[int]],
-    params: SamplingParams,
+    prompts: int,
     n: int,
+    build: Build,
     *,
+    seed: int | None,
     stops: list[str] | None,
     reasoning: bool,
-    pins: torch.Tensor | list[torch.Tensor] | None = None,
-    allowed=None,
-    logprobs: int | None = None,
-    pixels=None,
+    prompt_tokens: list[int],
     want_drafts: bool = False,
+    global_rng: bool = False,
     timeout: float | None = None,
 ) -> list[Choice]:
-    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i);
-    `pins` and `allowed` are the same for every prompt, or lists of one per prompt."""
-    check_capacity(engine, len(prompts) * n)
+    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i), its
+    program made by `build`; `prompt_tokens` per prompt (the prefill the queue is bounded in)."""
+    check_capacity(engine, prompts * n)
     loop = asyncio.get_running_loop()
     choices: list[Choice] = []
-    for j, prompt in enumerate(prompts):
+    for j in range(prompts):
         for i in range(n):
-            seed = None if params.seed is None else (params.seed + i) % 2**63
-            shape = dict(pins=pins[j] if isinstance(pins, list) else pins)
-            shape["allowed"] = allowed[j] if isinstance(allowed, list) else allowed
-            given = dict(**shape, logprobs=logprobs, pixels=pixels, want_drafts=want_drafts)
-            req = EngineRequest(prompt, replace(params, seed=seed), **given, timeout=timeout)
+            program = build(j, None if seed is None else (seed + i) % 2**63)
+            given = dict(want_drafts=want_drafts, global_rng=global_rng, timeout=timeout)
+            req = EngineRequest(program, prompt_tokens=prompt_tokens[j], **given)
             try:
                 _submit(engine, req, loop)
             except ApiError:
@@ -135,26 +134,16 @@ def _submit(engine: Engine, request: EngineRequest, loop: asyncio.AbstractEventL
         raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from e
 
 
-async def rerun(engine: Engine, request: EngineRequest, seed: int | None) -> GenerationResult:
-    """The same request again with another seed, to its end (a retry of an answer that did not validate);
-    the engine's error if it fails, cancelled if this is."""
-    timeout = None
-    if request.timeout is not None:  # the deadline stays the first request's
-        timeout = max(request.timeout - (time.monotonic() - request.submitted), 1e-3)
-    params = replace(request.params, seed=seed)
-    given = dict(pins=request.pins, allowed=request.allowed, logprobs=request.logprobs, pixels=request.pixels)
-    return await run_to_end(engine, EngineRequest(request.prompt, params, **given, timeout=timeout))
-
-
-async def run_to_end(engine: Engine, request: EngineRequest) -> GenerationResult:
-    """Queue `request` and wait for its result (a retry, or a free draft that sizes a JSON answer); the
-    engine's error if it fails, cancelled if this is."""
+async def outcome(engine: Engine, program: Generator, timeout: float | None = None):
+    """Run one program that streams nothing (a prompt's logprobs, a canvas's scores) and return its
+    result; what the engine reported as the HTTP error, cancelled if this is."""
+    request = EngineRequest(program, timeout=timeout)
     _submit(engine, request, asyncio.get_running_loop())
     try:
         while True:
             event = await request.events.queue.get()
             if isinstance(event, Exception):
-                raise event
+                raise as_api_error(event)
             if isinstance(event, DoneEvent):
                 return event.result
     finally:
@@ -186,7 +175,7 @@ def _on_tokens(choice: Choice, event, decode, final: bool) -> list[Piece]:
     return pieces
 
 
-def _on_event(choice: Choice, event, decode) -> list[Piece]:
+def _on_event(choice: Choice, event, tokenizer) -> list[Piece]:
     """What one engine event of a choice gives to send."""
     if isinstance(event, Exception):
         choice.ended = True
@@ -196,46 +185,57 @@ def _on_event(choice: Choice, event, decode) -> list[Piece]:
         draft = {
             "canvas": event.canvas_index,
             "step": event.step,
-            "text": decode(ids),
-            "tokens": [decode([t]) for t in ids],
+            "text": tokenizer.decode(ids),
+            "tokens": [tokenizer.decode([t]) for t in ids],
         }
         return [Piece(choice.index, "draft", draft=draft)]
     if not isinstance(event, TokensEvent | DoneEvent):
         return []
     done = isinstance(event, DoneEvent)
-    pieces = _on_tokens(choice, event, decode, final=done)
-    if done:
-        result = event.result
-        if result.logprobs is not None:
-            choice.logprobs = (result.logprobs[choice.row], result.top_logprobs[choice.row])
-        choice.steps_per_canvas = event.result.stats.steps_per_canvas[choice.row]
-        choice.tokens_per_forward = round(event.result.stats.tokens_per_forward[choice.row], 3)
+    generated = _adopt(choice, event.result, tokenizer) if done else None
+    pieces = _on_tokens(choice, event, tokenizer.decode, final=done)
+    if generated is not None:
+        if generated.logprobs is not None:
+            choice.logprobs = (generated.logprobs[choice.row], generated.top_logprobs[choice.row])
+        choice.steps_per_canvas = generated.stats.steps_per_canvas[choice.row]
+        choice.tokens_per_forward = round(generated.stats.tokens_per_forward[choice.row], 3)
     if done or choice.text.stopped:
         choice.ended = True
-        given = "stop" if choice.text.stopped else choice.finish_reason  # a stop string, or the finish's word
-        reason = given or event.result.finish_reasons[choice.row]
+        given = "stop" if choice.text.stopped else choice.finish_reason  # a stop string, or a whole answer
+        reason = given or generated.finish_reasons[choice.row]
         pieces.append(Piece(choice.index, "end", finish_reason=reason))
     return pieces
 
 
-async def _finished(choice: Choice, event, finish: Finish | None):
-    """The event as run hands it on: with `finish`, tokens come from the done request as a whole (rows
-    of an infill: the chosen middle), so per-row token events are passed over."""
-    if finish is None or not isinstance(event, TokensEvent | DoneEvent):
-        return event
-    if isinstance(event, TokensEvent):
-        return None
-    try:
-        choice.tokens, choice.row = await finish(choice, event.result)
-    except Exception as e:  # reported as this choice's end
-        return e
-    return event
+def _adopt(choice: Choice, result, tokenizer) -> GenerationResult | None:
+    """A choice's output from its program's result: a plain generation's tokens came as events; a
+    composite program's answer is whole (an infill's chosen middle; JSON, a tool call or a chosen option,
+    written as text). Returns the generation behind it, if any (logprobs, steps)."""
+    if isinstance(result, GenerationResult):
+        return result
+    if isinstance(result, InfillResult):
+        choice.tokens, choice.row = result.middle, result.row
+        choice.details = {"middle_length": result.middle_length}
+        if result.scores:
+            choice.details["middle_scores"] = {str(n): round(s, 4) for n, s in result.scores.items()}
+        return result.result
+    if isinstance(result, Chosen):
+        choice.answer = result.option
+        choice.details = {"choice_index": result.index, "choice_scores": [round(s, 4) for s in result.scores]}
+        generated = None
+    else:  # a JsonResult, or a ToolCall (its arguments' JsonResult, None for a call without arguments)
+        choice.answer = result.text
+        answer = result if isinstance(result, JsonResult) else result.json
+        choice.details = {"json_attempts": answer.attempts} if answer is not None else {}
+        generated = None if answer is None else answer.result
+    choice.tokens = tokenizer.encode(choice.answer, add_special_tokens=False)
+    choice.finish_reason = "stop"
+    return generated
 
 
-async def run(choices: list[Choice], decode, is_disconnected, finish: Finish | None = None) -> AsyncIterator[Piece]:
+async def run(choices: list[Choice], tokenizer, is_disconnected) -> AsyncIterator[Piece]:
     """The pieces of all choices as they come; the engine work stops when this ends, however it ends
-    (every choice finished, the client went away, or the consumer stopped reading). `finish(choice,
-    result)`, if given, makes a choice's output from its finished request (infilling: the middle)."""
+    (every choice finished, the client went away, or the consumer stopped reading)."""
     pending: dict[int, asyncio.Future] = {}
     clock = asyncio.get_running_loop().time
     checked = clock()
@@ -252,8 +252,8 @@ async def run(choices: list[Choice], decode, is_disconnected, finish: Finish | N
                 continue
             for k in [k for k, fut in pending.items() if fut in done]:
                 choice = choices[k]
-                event = await _finished(choice, pending.pop(k).result(), finish)
-                for piece in _on_event(choice, event, decode):
+                event = pending.pop(k).result()
+                for piece in _on_event(choice, event, tokenizer):
                     yield piece
                 if choice.ended:
                     choice.request.cancel()

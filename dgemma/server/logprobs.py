@@ -2,7 +2,7 @@
 top_logprobs, text_offset) and a chat choice's `logprobs.content` list.
 
 Where the numbers come from (docs/structured.md): a prompt's tokens (completions with `echo`) are scored
-by the causal encoder, each given the tokens before it (dgemma.editing.prompt_logprobs; the first token
+by the causal encoder, each given the tokens before it (dgemma.editing.prompt_logprobs_program; the first token
 has none); generated tokens by the denoiser at the last step of the canvas that wrote them, before
 temperature (dgemma.generate's `logprobs`): the distribution the committed argmax was read from, not a
 left-to-right probability.
@@ -10,18 +10,14 @@ left-to-right probability.
 
 from __future__ import annotations
 
-import asyncio
-
-from ..editing import prompt_logprobs
+from ..editing import prompt_logprobs_program
 from ..engine import Engine
+from .choices import outcome
 
 
-async def echoed(engine: Engine, prompts: list[list[int]], k: int) -> list[tuple[list, list]]:
-    """The encoder's log-probabilities of each prompt's tokens (on the engine thread)."""
-    out = []
-    for p in prompts:
-        out.append(await asyncio.wrap_future(engine.call(lambda runner, p=p: prompt_logprobs(runner, p, k))))
-    return out
+async def echoed(engine: Engine, prompts: list[list[int]], k: int, timeout: float | None) -> list[tuple[list, list]]:
+    """The encoder's log-probabilities of each prompt's tokens (a program each, on the engine)."""
+    return [await outcome(engine, prompt_logprobs_program(p, k), timeout) for p in prompts]
 
 
 def legacy(tokenizer, tokens: list[int], logprobs: list, tops: list, start: int = 0) -> dict:

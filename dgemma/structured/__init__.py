@@ -1,9 +1,10 @@
 """Structured output: JSON that parses and validates against a schema by construction.
 
 A left-to-right engine constrains its output with a grammar automaton, token by token. A canvas model can
-lay the structure out first and denoise only the values, with the whole answer in view. `generate_json`
-compiles a JSON schema into a template (dgemma.fill) and per-position allowed tokens
-(dgemma.constraints), sized by a free draft of the answer (`draft_plan`):
+lay the structure out first and denoise only the values, with the whole answer in view. A plan here
+(`schema_plan`; run by `dgemma.generate_json`, whose program is in dgemma/programs.py) compiles a
+JSON schema into a template (dgemma.fill) and per-position allowed tokens
+(dgemma.constraints), sized by a free draft of the answer (`JsonPlan.resize`):
 
     {"name":"<2 string tokens>","age":<1 token of 2 digits>,"tags":["<1>","<3>"],"ok":<true or false>}
 
@@ -44,19 +45,19 @@ written.
 
 from __future__ import annotations
 
-from .choose import MAX_OPTIONS, Chosen, choose
-from .generation import JsonResult, draft_plan, generate_json, unsatisfied
 from .left_to_right import decode_grammar, generate_json_ar
 from .nodes import MORE, grammar_state
 from .plans import (
     MAX_VALUES,
     SMALL_RANGE,
     JsonPlan,
+    JsonResult,
     compile_schema,
     first_object,
     object_plan,
     schema_plan,
     tool_call_plan,
+    unsatisfied,
 )
 from .tokens import (
     DEFAULT_MAX_ITEMS,
@@ -82,24 +83,19 @@ __all__ = [
     "JSON",
     "MAX_DEPTH",
     "MAX_ITEMS",
-    "MAX_OPTIONS",
     "MAX_STRING_TOKENS",
     "MAX_TEMPLATE_TOKENS",
     "MAX_VALUES",
     "MORE",
     "SMALL_RANGE",
-    "Chosen",
     "JsonPlan",
     "JsonResult",
     "StructuredOutputError",
     "Syntax",
     "TokenClasses",
-    "choose",
     "compile_schema",
     "decode_grammar",
-    "draft_plan",
     "first_object",
-    "generate_json",
     "generate_json_ar",
     "grammar_state",
     "json_text",

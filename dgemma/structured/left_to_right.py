@@ -12,15 +12,11 @@ import torch
 from ..editing import end_of_text_ids
 from ..generate import GenerationResult, GenerationStats, prompt_rows
 from ..runtime.runner import Runner, as_runner
-from .generation import JsonResult, unsatisfied
 from .nodes import (
     grammar_state,
     json_text,
 )
-from .plans import (
-    JsonPlan,
-    schema_plan,
-)
+from .plans import JsonPlan, JsonResult, schema_plan, unsatisfied
 
 # ------------------------------------------------------------------------------------------------
 # The same schema decoded left to right (the autoregressive twin of a fill)

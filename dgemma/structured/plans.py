@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..constraints import Allowed
-from ..editing import continuation_logprobs, end_of_text_ids
+from ..editing import end_of_text_ids
+from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
@@ -199,19 +200,12 @@ class JsonPlan:
         pad = [None] * ((length or len(self.template)) - len(self.template))
         return Allowed.from_sets([self.allowed + pad], self.classes.vocab_size)
 
-    def read(self, model: Runner | Any, prompt: list[int], tokens: list[int]) -> tuple[Any, str | None]:
-        """The answer a fill of this plan holds and None, or None and why it is not valid (model passes,
-        to score a choice: run it where the model runs)."""
+    def read(self, tokens: list[int], score: Callable[[int, list[list[int]]], int]) -> tuple[Any, str | None]:
+        """The answer a fill of this plan holds and None, or None and why it is not valid. Where a hole
+        holds one of several options spelled alike, `score(position, options)` says which (the index of
+        the likeliest; `score_request` says what to score; dgemma.programs.read_json asks the model)."""
         if self.schema is None:
             return first_object(self.classes.tokenizer.decode(tokens))
-        runner = as_runner(model)
-
-        def score(position: int, options: list[list[int]]) -> int:
-            following = self.template[position + max(len(o) for o in options) :][:8]
-            after = list(itertools.takewhile(lambda t: t is not None, following))  # the pinned run after the hole
-            lp = continuation_logprobs(runner, prompt + tokens[:position], [o + after for o in options])
-            return max(range(len(options)), key=lambda i: float(lp[i].sum()))
-
         try:
             value = self.root.read(_Read(tokens, self.classes, score))
         except _Invalid as e:
@@ -221,6 +215,15 @@ class JsonPlan:
             where = "/".join(str(p) for p in error.absolute_path)
             return None, error.message + (f" (at {where})" if where else "")
         return value, None
+
+    def score_request(
+        self, prompt: list[int], tokens: list[int], position: int, options: list[list[int]]
+    ) -> tuple[list[int], list[list[int]]]:
+        """What to score to choose among `options` at `position`: the prompt and the answer before it, then
+        each option followed by the pinned run after the hole (up to 8 tokens)."""
+        following = self.template[position + max(len(o) for o in options) :][:8]
+        after = list(itertools.takewhile(lambda t: t is not None, following))
+        return prompt + tokens[:position], [o + after for o in options]
 
 
 def first_object(text: str) -> tuple[Any, str | None]:
@@ -357,3 +360,20 @@ def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
 @functools.lru_cache(maxsize=8)
 def _classes(tokenizer, vocab_size: int) -> TokenClasses:
     return TokenClasses(tokenizer, vocab_size)
+
+
+@dataclass
+class JsonResult:
+    value: Any  # the answer, validated against the schema
+    text: str  # its text: compact JSON (or, for a tool call, the call)
+    attempts: int  # fills run (1 + retries used)
+    steps: int  # denoising steps over all attempts (and the sizing draft)
+    result: GenerationResult  # the last fill
+    errors: list[str] = field(default_factory=list)  # why earlier attempts were drawn again
+
+
+def unsatisfied(attempts: int, last: str, steps: int = 0) -> StructuredOutputError:
+    """The error after the last attempt."""
+    error = StructuredOutputError(f"no valid JSON answer in {attempts} attempts (the last: {last})")
+    error.steps = steps
+    return error

@@ -1,0 +1,219 @@
+"""The answers of the generation routes, from the pieces their choices give (server/choices.py): SSE
+chunks as they come, or one JSON body; chat messages (tool calls read out of the text), completion texts
+(echo, logprobs), usage, and each choice's `dgemma` details."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi.responses import StreamingResponse
+
+from ..tool_calls import CALL_OPEN
+from . import logprobs as logprob_blocks
+from .output import extract_tool_calls, new_id
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .served import Served
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def role_delta(index: int) -> dict:
+    """A chat stream's first chunk of each choice: the assistant's role."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str]]:
+    """Non-streaming: the text of every choice by kind, and each one's finish reason (errors raise)."""
+    texts: dict[int, dict[str, str]] = {}
+    reasons: dict[int, str] = {}
+    async for piece in pieces:
+        if piece.kind == "end":
+            if piece.error is not None:
+                raise piece.error
+            reasons[piece.index] = piece.finish_reason
+        elif piece.kind in ("content", "reasoning"):
+            parts = texts.setdefault(piece.index, {})
+            parts[piece.kind] = parts.get(piece.kind, "") + piece.text
+    return texts, reasons
+
+
+async def chat_answer(served, body: ChatCompletionRequest, pieces, choices, prompt_len: int, use_tools: bool):
+    texts, reasons = await gather(pieces)
+    if len(reasons) < len(choices):
+        raise ApiError(499, "the client closed the request")
+    out = []
+    for c in choices:
+        parts = texts.get(c.index, {})
+        message = {"role": "assistant", "content": parts.get("content", "")}
+        reason = reasons[c.index]
+        if body.reasoning and "reasoning" in parts:
+            message["reasoning_content"] = parts["reasoning"]
+        if use_tools:
+            calls, message["content"] = extract_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls if body.parallel_tool_calls is not False else calls[:1]
+                reason = "tool_calls"
+        entry = {"index": c.index, "message": message, "finish_reason": reason}
+        if body.logprobs:
+            n = c.returned_tokens
+            lps, tops = c.logprobs or ([], [])
+            k = body.top_logprobs or 0
+            entry["logprobs"] = logprob_blocks.chat(served.tokenizer, c.tokens[:n], lps[:n], tops[:n], k)
+        out.append(entry)
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": out,
+        "usage": usage_of(prompt_len, sum(c.returned_tokens for c in choices)),
+        "dgemma": {
+            "steps_per_canvas": [c.steps_per_canvas for c in choices],
+            "tokens_per_forward": [c.tokens_per_forward for c in choices],
+            **({"choices": [c.details for c in choices]} if any(c.details for c in choices) else {}),
+        },
+    }
+
+
+class Chunks:
+    """The SSE chunks of one streamed answer: chat deltas (`delta`) or completion text (`text`)."""
+
+    def __init__(self, served: Served, chat: bool):
+        self.chat = chat
+        self.head = {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": served.name,
+        }
+
+    def choice(self, index: int, kind: str | None = None, text: str = "", reason=None, **extra) -> str:
+        """One choice's chunk: `text` of `kind` ("content", "reasoning"; None: nothing), or its end."""
+        if self.chat:
+            field = "reasoning_content" if kind == "reasoning" else "content"
+            body = {"delta": {field: text} if kind else {}}
+        else:
+            body = {"text": text, "logprobs": None}
+        return sse({**self.head, "choices": [{"index": index, **body, "finish_reason": reason}], **extra})
+
+    def usage(self, prompt_tokens: int, choices) -> str:
+        return sse(
+            {**self.head, "choices": [], "usage": usage_of(prompt_tokens, sum(c.returned_tokens for c in choices))}
+        )
+
+
+async def event_stream(
+    chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, calls: bool = False
+):
+    """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
+    comes (drafts, text, ends with the choice's `dgemma` details if any, errors), the usage if asked for,
+    and [DONE]. With `calls` (tools offered), a choice's text from a tool call's start on is held and
+    sent at its end as `tool_calls` deltas (or as text, if it does not parse)."""
+    by_index = {c.index: c for c in choices}
+    held: dict[int, str] = {}
+    for text in opening:
+        yield text
+    async for piece in pieces:
+        if piece.kind == "draft":
+            yield chunks.choice(piece.index, dgemma_draft=piece.draft)
+        elif piece.kind == "end" and piece.error is not None:
+            yield sse(piece.error.body())
+            yield chunks.choice(piece.index, reason="error")
+        elif piece.kind == "end":
+            reason = piece.finish_reason
+            if piece.index in held:
+                found, rest = extract_tool_calls(held.pop(piece.index))
+                if rest:
+                    yield chunks.choice(piece.index, "content", rest)
+                if found:
+                    deltas = [{"index": k, **call} for k, call in enumerate(found)]
+                    yield sse({**chunks.head, "choices": [{"index": piece.index, "delta": {"tool_calls": deltas}}]})
+                    reason = "tool_calls"
+            details = by_index[piece.index].details  # set when the choice finished
+            yield chunks.choice(piece.index, reason=reason, **({"dgemma": details} if details else {}))
+        elif calls and piece.kind == "content" and (piece.index in held or CALL_OPEN in piece.text):
+            before, mark, after = ("", "", piece.text) if piece.index in held else piece.text.partition(CALL_OPEN)
+            if before:
+                yield chunks.choice(piece.index, "content", before)
+            held[piece.index] = held.get(piece.index, "") + mark + after
+        else:
+            yield chunks.choice(piece.index, piece.kind, piece.text)
+    if usage:
+        yield chunks.usage(prompt_tokens, choices)
+    yield sse("[DONE]")
+
+
+async def completion_reply(served: Served, body: CompletionRequest, choices, pieces, prompts, plan):
+    """The completion answer, streamed or whole, from the choices' pieces."""
+    echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = Chunks(served, chat=False)
+        opening = [chunks.choice(c.index, "content", echoes[k]) for k, c in enumerate(choices) if echoes[k]]
+        prompt_tokens = sum(len(p) for p in prompts) * body.n
+        body_ = event_stream(chunks, pieces, choices, opening, prompt_tokens, usage)
+        return StreamingResponse(body_, media_type="text/event-stream")
+    return await completion_answer(served, body, pieces, choices, echoes, prompts, plan)
+
+
+async def completion_logprobs(served: Served, body: CompletionRequest, choices, echoes, prompts) -> list:
+    """Each choice's legacy logprobs block (None without `logprobs`): the echoed prompt's (`echoes`: its
+    text per choice), by the encoder, then the completion's, by the denoiser."""
+    k = body.logprobs
+    if k is None:
+        return [None] * len(choices)
+    tok = served.tokenizer
+    echo = body.echo
+    scored = await logprob_blocks.echoed(served.engine, prompts, k, served.request_timeout) if echo else None
+    blocks = []
+    for c, echo in zip(choices, echoes, strict=True):
+        head = None
+        prompt = prompts[c.index // body.n]
+        if scored is not None:
+            head = logprob_blocks.legacy(tok, prompt, *scored[c.index // body.n])
+        start = len(echo)
+        lps, tops = c.logprobs or ([], [])
+        n = c.returned_tokens
+        blocks.append(logprob_blocks.join(head, logprob_blocks.legacy(tok, c.tokens[:n], lps[:n], tops[:n], start)))
+    return blocks
+
+
+async def completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan):
+    texts, reasons = await gather(pieces)
+    if len(reasons) < len(choices):
+        raise ApiError(499, "the client closed the request")
+    blocks = await completion_logprobs(served, body, choices, echoes, prompts)
+    out = [
+        {
+            "index": c.index,
+            "text": echoes[k] + texts.get(c.index, {}).get("content", ""),
+            "finish_reason": reasons[c.index],
+            "logprobs": blocks[k],
+        }
+        for k, c in enumerate(choices)
+    ]
+    answer = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": out,
+        "usage": usage_of(sum(len(p) for p in prompts) * body.n, sum(c.returned_tokens for c in choices)),
+    }
+    if plan is not None:  # the length given (None: chosen per choice), and each choice's
+        fixed = plan.lengths[0] if len(plan.lengths) == 1 else None
+        answer["dgemma"] = {"middle_length": fixed, "choices": [c.details for c in choices]}
+    elif any(c.details for c in choices):  # `choices` scores, JSON attempts
+        answer["dgemma"] = {"choices": [c.details for c in choices]}
+    return answer
