@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, LogitsBuffer, ModelCall, answer
+from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, EncodeCall, LogitsBuffer, ModelCall, answer
 from .generate import DraftEvent, GenerationResult, SamplingParams
-from .kv_cache import StackedCache
+from .kv_cache import EncodeStack, KVCache, StackedCache
 from .model import DiffusionGemma
 from .programs import generate_program
 from .runtime.runner import Runner, as_runner
@@ -112,6 +112,7 @@ class EngineStats:
     requests_rejected: int = 0
     tokens_generated: int = 0
     denoising_steps: int = 0  # batched forward passes
+    encode_passes: int = 0  # forward passes of encodes (prompts, commits): several requests' may share one
     row_steps: int = 0  # canvas-steps summed over the rows of those passes
     last_batch_size: int = 0  # requests denoised in the last step (fast ones together, exact ones alone)
 
@@ -127,9 +128,11 @@ class Engine:
         max_batch: int = 8,
         max_queue: int = 64,
         max_queued_tokens: int | None = None,
+        batch_encodes: bool = True,
     ):
         """`max_queued_tokens` bounds the prompt tokens of the waiting requests (None: no bound); a request
-        that alone exceeds it is taken when nothing else waits."""
+        that alone exceeds it is taken when nothing else waits. `batch_encodes=False` encodes each
+        request's prompt and commits in passes of its own (benchmarks/batched_encodes.py compares)."""
         if max_batch <= 0 or max_queue < 0 or (max_queued_tokens is not None and max_queued_tokens <= 0):
             raise ValueError("max_batch and max_queued_tokens must be > 0, and max_queue >= 0")
         self.runner = as_runner(model)
@@ -137,6 +140,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
+        self.batch_encodes = batch_encodes
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
         self._active: list[EngineRequest] = []
@@ -309,11 +313,19 @@ class Engine:
         self._active = keep
 
     def _step(self) -> None:
-        """The encodes and scores the active requests wait on (prompts, commits), one at a time; then one
-        denoising pass for the fast requests together, and one for each exact request."""
+        """The encodes and scores the active requests wait on (prompts, commits; encodes of equal shape in
+        one pass), until each waits on a denoising pass or has ended; then one denoising pass for the fast
+        requests together, and one for each exact request."""
         self._drop_finished()
-        for r in [r for r in self._active if not isinstance(r._call, DenoiseCall)]:
-            self._answer_alone(r)
+        while True:
+            waiting = [r for r in self._active if r._call is not None and not isinstance(r._call, DenoiseCall)]
+            if not waiting:
+                break
+            for group in self._encode_groups(waiting):
+                if len(group) > 1:
+                    self._encode_together(group)
+                else:
+                    self._answer_one(group[0])
         self._active = [r for r in self._active if r._call is not None]
         denoising = [r for r in self._active if isinstance(r._call, DenoiseCall)]
         fast = [r for r in denoising if not r._call.exact]
@@ -327,19 +339,56 @@ class Engine:
         if not self._active:
             self._logits.release()  # idle: hold no logits
 
-    def _answer_alone(self, request: EngineRequest) -> None:
-        """Run the encodes and scores `request` waits on, one after the other, until it asks for a denoising
-        pass (or ends)."""
-        while request._call is not None and not isinstance(request._call, DenoiseCall):
-            try:
-                reply = answer(self.runner, request._call)
-            except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
-                self.stats.requests_failed += 1
-                request._call = None
-                request.program.close()
-                request.events.put(e)
-                return
-            self._advance(request, reply)
+    def _encode_groups(self, waiting: list[EngineRequest]) -> list[list[EngineRequest]]:
+        """The requests waiting on calls other than denoising, grouped: fast text encodes of the same shape
+        (caches at one length, as many new tokens, prompts or commits alike) together, the rest alone."""
+        groups: dict[tuple, list[EngineRequest]] = {}
+        for r in waiting:
+            c = r._call
+            alike = isinstance(c, EncodeCall) and not c.exact and c.pixels is None and type(c.cache) is KVCache
+            if self.batch_encodes and alike:
+                key = (c.is_generated, c.cache.length, c.ids.shape[1], c.attention_mask is None)
+            else:
+                key = ("alone", r.id)
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    def _encode_together(self, group: list[EngineRequest]) -> None:
+        """One encode pass for the group's calls (EncodeStack writes each row into its own cache); a request
+        the pass refuses (a ValueError: a bad prompt, a full cache) makes each go alone, so that it fails
+        alone."""
+        calls = [r._call for r in group]
+        ids = torch.cat([c.ids for c in calls])
+        mask = None if calls[0].attention_mask is None else torch.cat([c.attention_mask for c in calls])
+        try:
+            self.runner.encode(ids, EncodeStack([c.cache for c in calls]), mask, is_generated=calls[0].is_generated)
+        except ValueError:
+            for r in group:
+                self._answer_one(r)
+            return
+        except Exception as e:
+            for r in group:
+                r.program.close()
+                r.events.put(e)
+                r._call = None
+            self.stats.requests_failed += len(group)
+            return
+        self.stats.encode_passes += 1
+        for r in group:
+            self._advance(r, None)
+
+    def _answer_one(self, request: EngineRequest) -> None:
+        """Run the call (not a denoising pass) `request` waits on, alone, and resume it to its next call."""
+        try:
+            reply = answer(self.runner, request._call)
+        except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
+            self.stats.requests_failed += 1
+            request._call = None
+            request.program.close()
+            request.events.put(e)
+            return
+        self.stats.encode_passes += isinstance(request._call, EncodeCall)
+        self._advance(request, reply)
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""

@@ -310,3 +310,39 @@ class StackedCache:
         keys[:, :, longest:] = k
         values[:, :, longest:] = v
         return keys, values
+
+
+class EncodeStack:
+    """Caches at one length (one per server request, say) written by one encode of as many new tokens each:
+    the prompts of equal length of several requests, or their commits. Positions and masks are each
+    cache's own, stacked; each row's keys and values are written into its own cache. (Caches at
+    different lengths would need other positions per row: those are encoded apart.)"""
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches or len({c.length for c in caches}) != 1:
+            raise ValueError("an encode stack needs caches at one length")
+        self.caches = caches
+        self.batch_size = sum(c.batch_size for c in caches)
+        self.length = caches[0].length
+        self.keep_all = False  # each cache keeps its own; a stack is never recomputed (no gradients)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(x, [c.batch_size for c in self.caches])
+
+    def prepare_encode(self, batch_size: int, num_tokens: int, attention_mask=None, blocks=None):
+        if batch_size != self.batch_size:
+            raise ValueError(f"batch of {batch_size} rows, but the stacked caches hold {self.batch_size}")
+        if blocks is not None:
+            raise ValueError("prompts with images are encoded one request at a time")
+        given = self._split(attention_mask) if attention_mask is not None else [None] * len(self.caches)
+        parts = [c.prepare_encode(c.batch_size, num_tokens, m)[1] for c, m in zip(self.caches, given, strict=True)]
+        positions = torch.arange(self.length, self.length + num_tokens, device=self.caches[0].device)
+        return positions, {kind: torch.cat([p[kind] for p in parts]) for kind in parts[0]}
+
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = [c.update(i, kk, vv) for c, kk, vv in zip(self.caches, self._split(k), self._split(v), strict=True)]
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+    def commit(self, num_tokens: int) -> None:
+        for c in self.caches:
+            c.commit(num_tokens)

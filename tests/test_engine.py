@@ -264,3 +264,40 @@ def test_the_prefill_work_waiting_is_bounded(model):
         assert not isinstance(collect(alone), Exception)
     finally:
         engine.close()
+
+
+def test_prompts_of_one_shape_share_an_encode_pass_and_get_their_own_tokens(model):
+    """Requests whose prompts have the same length are encoded in one pass (an EncodeStack writes each row
+    into its own cache), their commits too; each gets the tokens it gets alone. A bad prompt among them
+    (an id outside the vocabulary) fails alone, and the others go on."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(4)]
+    params = [dict(seed=i, max_new_tokens=20, max_denoising_steps=3) for i in range(4)]
+    alone = [solo(model, p, kw) for p, kw in zip(prompts, params, strict=True)]
+    counts = {}
+    for batched in (False, True):
+        engine = Engine(model, max_batch=8, batch_encodes=batched)
+        try:
+            bad = generation_request(engine.runner, [3] * 11 + [10**6], dict(seed=9, max_new_tokens=8))  # 12 too
+            submitted = [generation_request(engine.runner, p, dict(kw)) for p, kw in zip(prompts, params, strict=True)]
+            for r in [*submitted[:2], bad, *submitted[2:]]:
+                engine.submit(r)
+            got = [collect(r) for r in submitted]
+            assert isinstance(collect(bad), ValueError)
+            counts[batched] = engine.stats.encode_passes
+        finally:
+            engine.close()
+        assert [(r.tokens[0], r.finish_reasons[0]) for r in got] == alone
+    # alone: 4 prompts + 4 x 2 commits (the bad prompt is refused before its pass); batched: the bad prompt
+    # makes its group go alone (4 + 1 refused), then the commits share a pass per canvas (2)
+    assert counts == {False: 12, True: 6}, counts
+    engine = Engine(model, max_batch=8)
+    try:
+        submitted = [generation_request(engine.runner, p, dict(kw)) for p, kw in zip(prompts, params, strict=True)]
+        with engine._lock:  # all four arrive before the engine's next step
+            for r in submitted:
+                engine.submit(r)
+        assert [(r.tokens[0], r.finish_reasons[0]) for r in map(collect, submitted)] == alone
+        assert engine.stats.encode_passes == 3  # one for the four prompts, one per commit of their canvases
+    finally:
+        engine.close()
