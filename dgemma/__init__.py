@@ -14,12 +14,13 @@ from .ar import generate_ar, stream_ar
 from .checkpoints.tokenizer import Tokenizer
 from .checkpoints.weights import load, save
 from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig
-from .generate import GenerationResult, SamplingParams, Session, generate, stream
+from .generate import GenerationResult, SamplingParams, generate, stream
 from .kv_cache import KVCache
 from .model import DiffusionGemma, EncodeOutput, build
 from .presets import preset
 from .programs import choose, edit, fill, generate_json, infill, tool_call
 from .runtime.runner import Runner, accelerate
+from .session import Session
 from .sizes import count_parameters
 from .tracing import Trace, trace
 

@@ -44,6 +44,7 @@ from .constraints import Allowed, as_allowed
 from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
 from .model import DiffusionGemma
+from .prompts import left_pad, prompt_rows, with_images
 from .runtime.runner import Runner, as_runner
 from .sampling import (
     StableAndConfident,
@@ -115,55 +116,6 @@ class GenerationResult:
 
 Event = DraftEvent | TokensEvent | DoneEvent
 MAX_LOGPROBS = 20  # alternatives per token a result may carry
-
-
-# ------------------------------------------------------------------------------------------------
-# Inputs
-
-
-def prompt_rows(prompt, tokenizer) -> list[list[int]]:
-    """A prompt as a batch of token-id rows: text (with `tokenizer`), ids, a list of either, or a tensor."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.tolist() if prompt.dim() == 2 else [prompt.tolist()]
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
-    if all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    rows = []
-    for p in prompt:
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer (pass tokenizer=Tokenizer.from_dir(...))")
-            p = tokenizer.encode(p)
-        if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
-            raise ValueError("each prompt must be a non-empty string or a non-empty list of token ids")
-        rows.append(p)
-    return rows
-
-
-def _with_images(model: DiffusionGemma, prompt, tokenizer, pixels, images, budget: int):
-    """A text prompt with images -> its token ids (placeholders expanded) and the images' Pixels."""
-    from .images import text_prompt
-
-    if pixels is not None:
-        raise ValueError("give images= or pixels=, not both")
-    if not isinstance(prompt, str) or tokenizer is None:
-        raise ValueError("images= goes with a text prompt (one image token per image) and tokenizer=")
-    model.check_vision()  # before reading and preprocessing the images
-    return text_prompt(tokenizer, model.config, prompt, list(images), budget)
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids [B, T] left-padded to the longest row, and the attention mask (None if nothing is padded)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), (None if bool(mask.all()) else mask.to(device))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -557,7 +509,7 @@ def prepare(
         raise ValueError("allowed tokens need mode 'fast' (the reference has no constraints)")
     _check_logprobs(logprobs, p)
     if images is not None:
-        prompt, pixels = _with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
+        prompt, pixels = with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
     pad_id = model.generation_config.pad_token_id
     ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
@@ -645,59 +597,3 @@ def generate(
         if isinstance(event, DoneEvent):
             return event.result
     raise AssertionError("stream ended without a DoneEvent")
-
-
-class Session:
-    """A conversation (batch of one) whose KV cache is kept between turns.
-
-    Each turn takes the whole conversation as token ids (typically the chat template's rendering); only
-    the part the cache does not hold yet is encoded. If the conversation no longer extends what is cached
-    (for example a template that drops past thoughts), the cache is rebuilt from the start. `pixels` are
-    the images of the whole conversation in order (dgemma.images.chat_prompt gives both); a turn without
-    them reuses the last ones given, and only the images of the part encoded are run.
-    """
-
-    def __init__(self, model: DiffusionGemma | Runner, max_length: int | None = None, tokenizer=None):
-        self.runner = as_runner(model)
-        self.model = model = self.runner.model
-        self.tokenizer = tokenizer
-        self.max_length = max_length or min(model.text_config.max_position_embeddings, 8192)
-        self.cache = model.new_cache(1, self.max_length)
-        self.cached: list[int] = []  # the token ids whose keys/values are in the cache, in order
-        self.pixels = None  # the conversation's images (vision.Pixels), as last given
-
-    def stream(
-        self, conversation: list[int], params: SamplingParams | None = None, *, pixels=None, **overrides
-    ) -> Iterator[Event]:
-        if not conversation or not all(isinstance(t, int) for t in conversation):
-            raise ValueError("the conversation must be a non-empty list of token ids (one row)")
-        self.pixels = pixels if pixels is not None else self.pixels
-        n = len(self.cached)
-        if conversation[:n] != self.cached or len(conversation) == n:
-            self.cache.reset()
-            self.cached, n = [], 0
-        new = conversation[n:]
-        kw = dict(cache=self.cache, tokenizer=self.tokenizer, pixels=self._images_after(n, new), **overrides)
-        for event in stream(self.runner, new, params, **kw):
-            if isinstance(event, DoneEvent):
-                c = self.model.config.canvas_length
-                # every canvas but the last was committed through the encoder
-                self.cached = conversation + event.result.sequences[0, :-c].tolist()
-                assert len(self.cached) == self.cache.length, "the session lost track of its cache"
-            yield event
-
-    def _images_after(self, n: int, new: list[int]):
-        """The Pixels of the images whose placeholders lie in `new` (those before it are in the cache)."""
-        image = self.model.config.image_token_id
-        if self.pixels is None or image is None or image not in new:
-            return None
-        from .vision import Pixels, image_blocks
-
-        before = int(image_blocks(torch.tensor([self.cached[:n] or [0]]) == image).max()) + 1
-        return Pixels(self.pixels.values[before:], self.pixels.positions[before:])
-
-    def generate(self, conversation: list[int], params: SamplingParams | None = None, **overrides):
-        for event in self.stream(conversation, params, **overrides):
-            if isinstance(event, DoneEvent):
-                return event.result
-        raise AssertionError("stream ended without a DoneEvent")

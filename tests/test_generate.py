@@ -10,7 +10,8 @@ import torch
 
 from dgemma import SamplingParams
 from dgemma.ar import generate_ar
-from dgemma.generate import DoneEvent, DraftEvent, Session, TokensEvent, generate, left_pad, stream
+from dgemma.generate import DoneEvent, DraftEvent, TokensEvent, generate, left_pad, stream
+from dgemma.session import Session
 from dgemma.testing import load_quiet, make_copy_model
 
 EOS = 1

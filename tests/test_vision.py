@@ -424,8 +424,8 @@ def test_chat_with_an_image_keeps_it_across_turns(vision_dir, tmp_path, monkeypa
     import json
 
     from dgemma.cli import main
-    from dgemma.generate import Session
     from dgemma.images import chat_prompt
+    from dgemma.session import Session
 
     a = _png(tmp_path / "a.png", 90, 60, 3)
     lines = iter(["what is it?", "and now?", ""])

@@ -270,7 +270,7 @@ def _check_vision(args, model) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the KV cache is reused across turns."""
-    from ..generate import Session
+    from ..session import Session
 
     runner, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
