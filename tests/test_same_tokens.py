@@ -36,3 +36,99 @@ def test_server_cli_and_api_give_the_same_tokens(server, model_dir, capsys, mode
     assert api.text[0] == cli["text"] == served["choices"][0]["text"]
     assert len(api.tokens[0]) == cli["tokens"] == served["usage"]["completion_tokens"]
     assert api.finish_reasons[0] == cli["finish_reason"] == served["choices"][0]["finish_reason"]
+
+
+SHAPED = {"max_denoising_steps": 3, "seed": 5, "t_max": 0.9, "t_min": 0.3}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}, "name": {"type": "string", "maxLength": 3}},
+    "required": ["ok", "n", "name"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 3}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    },
+]
+
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cli(capsys, *argv) -> dict:
+    from dgemma.cli import main
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPED.items()]
+    assert main([*argv, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_answers_are_one_program_everywhere(server, model_dir, capsys, tmp_path):
+    """response_format json_schema (server), --json-schema (CLI) and dgemma.generate_json (API): the same
+    JSON program, the same answer."""
+    tok = Tokenizer.from_dir(model_dir)
+    api = dgemma.generate_json(load_quiet(model_dir), tok.encode(PROMPT), SCHEMA, tokenizer=tok, **SHAPED)
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    cli = _cli(
+        capsys, "generate", "-m", str(model_dir), "-p", PROMPT, "--raw", "--json-schema", str(tmp_path / "schema.json")
+    )
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    served = _post(server, "/v1/completions", {"prompt": PROMPT, "response_format": fmt, **SHAPED})
+    assert api.text == cli["text"] == served["choices"][0]["text"]
+    assert api.attempts == cli["attempts"] == served["dgemma"]["choices"][0]["json_attempts"]
+
+
+def test_required_tool_calls_are_one_program_everywhere(server, model_dir, capsys, tmp_path):
+    """tool_choice "required" (server), --tools --tool-choice required (CLI) and dgemma.tool_call (API): the
+    function the model scores best, its arguments filled by the same JSON program."""
+    from dgemma.images import chat_prompt
+
+    tok = Tokenizer.from_dir(model_dir)
+    model = load_quiet(model_dir)
+    ids, _ = chat_prompt(tok, model.config, [{"role": "user", "content": PROMPT}], tools=TOOLS)
+    api = dgemma.tool_call(model, ids, TOOLS, tokenizer=tok, **SHAPED)
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    argv = ["generate", "-m", str(model_dir), "-p", PROMPT, "--tools", str(tmp_path / "tools.json")]
+    cli = _cli(capsys, *argv, "--tool-choice", "required")
+    body = {"messages": [{"role": "user", "content": PROMPT}], "tools": TOOLS, "tool_choice": "required", **SHAPED}
+    served = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert (api.name, api.arguments) == (cli["tool_call"]["name"], cli["tool_call"]["arguments"])
+    assert (api.name, api.arguments) == (served["name"], json.loads(served["arguments"]))
+
+
+def test_infill_is_one_program_everywhere(server, model_dir, capsys):
+    """`suffix` (server), `dgemma infill` (CLI) and dgemma.infill (API): the same middle. The server reads its
+    prompt as a completion prompt (with BOS), the CLI and a text prefix without: each is compared with the
+    API given the same tokens."""
+    tok = Tokenizer.from_dir(model_dir)
+    model = load_quiet(model_dir)
+    suffix = "return y"
+    served = _post(server, "/v1/completions", {"prompt": PROMPT, "suffix": suffix, "max_tokens": 3, **SHAPED})
+    ids = (tok.encode(PROMPT), tok.encode(suffix, add_special_tokens=False))
+    api = dgemma.infill(model, *ids, 3, tokenizer=tok, **SHAPED)
+    assert tok.decode(api.middle) == served["choices"][0]["text"]
+    cli = _cli(capsys, "infill", "-m", str(model_dir), "--prefix", PROMPT, "--suffix", suffix, "--middle-length", "3")
+    api = dgemma.infill(model, PROMPT, suffix, 3, tokenizer=tok, **SHAPED)
+    assert api.middle_text == cli["middle"]
+
+
+def test_choices_are_one_program_everywhere(server, model_dir, capsys):
+    """`choices` (server), --choices (CLI) and dgemma.choose (API): the option the encoder scores best."""
+    tok = Tokenizer.from_dir(model_dir)
+    options = ["yes", "no", "return x"]
+    api = dgemma.choose(load_quiet(model_dir), tok.encode(PROMPT), options, tokenizer=tok)
+    cli = _cli(capsys, "generate", "-m", str(model_dir), "-p", PROMPT, "--raw", "--choices", *options)
+    served = _post(server, "/v1/completions", {"prompt": PROMPT, "choices": options})
+    assert api.option == cli["text"] == served["choices"][0]["text"]
+    assert [round(s, 4) for s in api.scores] == served["dgemma"]["choices"][0]["choice_scores"]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import GenerationConfig
+from .answers import add_answer_args, answer_shaped, check_answer_args, read_tools
 from .common import (
     add_model_args,
     add_old_name,
@@ -124,18 +125,9 @@ def run_stream(events, tokenizer, args, printer: TextPrinter):
 
 
 def report(result, args, text: str, extra: dict | None = None) -> None:
-    s = result.stats
-    info = {
-        "finish_reason": result.finish_reasons[0],
-        "tokens": len(result.tokens[0]),
-        "canvases": s.canvases,
-        "steps_per_canvas": s.steps_per_canvas[0],
-        "tokens_per_forward": round(s.tokens_per_forward[0], 3),
-        "time_to_first_token_s": None if s.time_to_first_token is None else round(s.time_to_first_token, 4),
-        "elapsed_s": round(s.elapsed, 4),
-        "tokens_per_second": round(s.tokens_per_second, 2),
-        **(extra or {}),
-    }
+    """The answer's statistics (--stats, --json); `result` None: nothing was generated (an option chosen)."""
+    info = {"finish_reason": "stop"} if result is None else _generation_info(result)
+    info.update(extra or {})
     if args.json:
         print(json.dumps({"text": text, **info}))
     else:
@@ -144,7 +136,21 @@ def report(result, args, text: str, extra: dict | None = None) -> None:
             print(" | ".join(f"{k} {v}" for k, v in info.items()), file=sys.stderr)
 
 
-def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], object]:
+def _generation_info(result) -> dict:
+    s = result.stats
+    return {
+        "finish_reason": result.finish_reasons[0],
+        "tokens": len(result.tokens[0]),
+        "canvases": s.canvases,
+        "steps_per_canvas": s.steps_per_canvas[0],
+        "tokens_per_forward": round(s.tokens_per_forward[0], 3),
+        "time_to_first_token_s": None if s.time_to_first_token is None else round(s.time_to_first_token, 4),
+        "elapsed_s": round(s.elapsed, 4),
+        "tokens_per_second": round(s.tokens_per_second, 2),
+    }
+
+
+def _prompt_ids(tokenizer, text: str, args, config=None, tools=None) -> tuple[list[int], object]:
     """The prompt's token ids, and the Pixels of its --image files (None without): images go before the
     text, in the user's turn (or, with --raw, as image tokens before the text)."""
     from .. import images
@@ -153,6 +159,8 @@ def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], obj
     budget = getattr(args, "max_soft_tokens", images.DEFAULT_BUDGET)
     video = _video_part(args)
     if args.raw or not tokenizer.chat_template:
+        if tools:
+            raise ValueError("--tools are declared by the chat template; leave out --raw")
         if video:
             raise ValueError("--video-frames go through the chat template; leave out --raw")
         if not pictures:
@@ -164,7 +172,7 @@ def _prompt_ids(tokenizer, text: str, args, config=None) -> tuple[list[int], obj
         {"role": "user", "content": content if pictures else text}
     ]
     thinking = True if args.reasoning else None
-    return images.chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking)
+    return images.chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking, tools=tools)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -221,14 +229,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty (give --prompt or text on stdin)")
     if args.ar and (args.image or args.video_frames):
         raise ValueError("--ar decodes text prompts only; leave out --image")
+    check_answer_args(args)
     schema = _read_schema(args.json_schema) if args.json_schema else None
-    if schema is not None and (args.ar or args.max_new_tokens is not None):
-        raise ValueError("--json-schema sizes the answer from the schema; leave out --ar and --max-new-tokens")
+    tools = read_tools(args.tools)
     runner, tokenizer = load_model_and_tokenizer(args)
     _check_vision(args, runner.model)
-    ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config)
-    if schema is not None:
-        return _generate_json(runner, tokenizer, ids, pixels, schema, args)
+    ids, pixels = _prompt_ids(tokenizer, text, args, runner.model.config, tools)
+    shaped = answer_shaped(runner, tokenizer, ids, pixels, args, schema, tools)
+    if shaped is not None:
+        result, answer, extra = shaped
+        if not args.json:
+            print(answer, end="")
+        report(result, args, answer, extra)
+        return 0
     if args.ar:
         limit = args.max_new_tokens or runner.model.generation_config.max_new_tokens
         events = stream_ar(runner, ids, limit, temperature=args.temperature, seed=args.seed)
@@ -248,18 +261,6 @@ def _read_schema(path: Path) -> dict:
     if not isinstance(schema, dict):
         raise ValueError(f"--json-schema {path}: a JSON schema is an object")
     return schema
-
-
-def _generate_json(runner, tokenizer, ids, pixels, schema: dict, args) -> int:
-    """--json-schema: the answer as JSON valid against the schema (dgemma.generate_json)."""
-    from ..programs import generate_json
-
-    out = generate_json(runner, ids, schema, tokenizer=tokenizer, pixels=pixels, **sampling_overrides(args))
-    extra = {"json": out.value, "attempts": out.attempts, "steps": out.steps}
-    if not args.json:
-        print(out.text, end="")
-    report(out.result, args, out.text, extra)
-    return 0
 
 
 def _check_vision(args, model) -> None:
@@ -384,13 +385,7 @@ def _register_generate(sub, epilog: str) -> None:
     add_sampling_args(g)
     g.add_argument("--ar", action="store_true", help="decode autoregressively (token by token) instead")
     g.add_argument("--temperature", type=float, default=0.0, help="with --ar: sampling temperature (0 = greedy)")
-    g.add_argument(
-        "--json-schema",
-        type=Path,
-        metavar="FILE",
-        help="answer with JSON valid against this JSON schema: keys and punctuation pinned, each value "
-        "denoised under its type's tokens (docs/structured.md)",
-    )
+    add_answer_args(g)
     add_output_args(g)
     g.set_defaults(func=cmd_generate)
 
