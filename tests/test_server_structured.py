@@ -91,6 +91,13 @@ def test_no_valid_answer_is_a_422_after_the_retries(server):
     error = r.json()["error"]
     assert error["param"] == "response_format" and error["code"] == "json_unsatisfied"
     assert "in 3 attempts" in error["message"]
+    # `retries` (the library's name) sets them; it is refused where nothing is validated
+    r = _post(server, "/v1/chat/completions", {**body, "retries": 0})
+    assert r.status_code == 422 and "in 1 attempts" in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/completions", {"prompt": "x", "retries": 1, **FAST})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "retries", r.text
+    r = _post(server, "/v1/completions", {"prompt": "x", "response_format": _format(impossible), "retries": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "retries", r.text
 
 
 def test_json_object_gives_an_object_or_a_422_never_a_5xx(server):

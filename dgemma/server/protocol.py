@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from ..generate import MAX_LOGPROBS
 from ..images import SOFT_TOKEN_BUDGETS
 from ..json_values import MAX_VALUE_DEPTH, JsonRefused, first_problem, loads
+from ..programs import MAX_OPTIONS, MAX_RETRIES  # `choices`: options of one request; retries of a JSON answer
 from ..settings import SETTINGS, SamplingParams
 from ..tool_calls import FUNCTION_NAME
 
@@ -30,7 +31,6 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_IMAGES = 16  # image parts in one request (each is decoded, resized and run through the vision tower)
-MAX_OPTIONS = 64  # `choices`: options of one request
 MAX_OPTION_CHARS = 1024
 MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, or a tool's parameters, as JSON text
 MAX_SCHEMA_DEPTH = MAX_VALUE_DEPTH  # nesting of a schema, a tool's parameters or a call's arguments
@@ -339,6 +339,9 @@ class DiffusionSettings(_Body):
         default=None, min_length=1, max_length=MAX_OPTIONS
     )
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past end-of-text tokens
+    # extension: a JSON answer or a required tool call that does not validate is drawn again this many times
+    # (default 2, as dgemma.generate_json's `retries`)
+    retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES)
     # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
     top_p: Any = None
     presence_penalty: Any = None
@@ -376,6 +379,16 @@ class DiffusionSettings(_Body):
         if bad:
             message = "{name}: does not apply with choices (the answer is the best-scored option)"
             raise PydanticCustomError("choices", message, {"name": bad[0]})
+        return self
+
+    @model_validator(mode="after")
+    def _retries_need_checked_answers(self):
+        if self.retries is None:
+            return self
+        json_answer = self.response_format is not None and self.response_format.type != "text"
+        if not (json_answer or getattr(self, "forced_call", False)):
+            message = "retries: apply to answers that are validated (a JSON response_format, a required tool call)"
+            raise PydanticCustomError("retries", message, {"name": "retries"})
         return self
 
     @model_validator(mode="after")

@@ -170,11 +170,13 @@ async def _json_choices(served: Served, body, prompts: list[list[int]], asked: t
     runner = served.engine.runner
 
     def build(j: int, seed: int | None):
-        return json_program(
-            runner, plan, prompts[j], replace(params, seed=seed), retries=DEFAULT_RETRIES, pixels=pixels
-        )
+        return json_program(runner, plan, prompts[j], replace(params, seed=seed), retries=_retries(body), pixels=pixels)
 
     return _submit(served, body, build, params, [len(p) for p in prompts])
+
+
+def _retries(body) -> int:
+    return DEFAULT_RETRIES if body.retries is None else body.retries
 
 
 def _shaped_params(served: Served, body, templates: list[int], longest: int, asked: tuple):
@@ -210,7 +212,7 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     runner, tok = served.engine.runner, served.tokenizer
 
     def build(_j: int, seed: int | None):
-        given = dict(tokenizer=tok, name=named, retries=DEFAULT_RETRIES, pixels=pixels)
+        given = dict(tokenizer=tok, name=named, retries=_retries(body), pixels=pixels)
         return tool_call_program(runner, prompt, plans, replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(prompt)])
