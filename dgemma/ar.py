@@ -33,23 +33,10 @@ def stream_ar(
     t0 = time.perf_counter()
     runner = as_runner(model)
     model = runner.model
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (got {temperature})")
     rows = prompt_rows(prompt, tokenizer)
     pad = model.text_config.pad_token_id or 0
     ids, mask = left_pad(rows, pad, model.device)
-    limit = model.text_config.max_position_embeddings
-    if ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
-            f"context of {limit} positions"
-        )
-    if stop_token_ids is None:
-        eos = model.generation_config.eos_token_id
-        stop_token_ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else eos)
-    stop = set(stop_token_ids)
+    stop = _checked(model, ids, max_new_tokens, temperature, stop_token_ids)
     gen = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     b = ids.shape[0]
     cache = model.new_cache(b, ids.shape[1] + max_new_tokens)
@@ -59,10 +46,7 @@ def stream_ar(
     logits = runner.encode(ids, cache, attention_mask=mask, return_logits=True).logits[:, -1]
     passes = 1
     while True:
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)
+        nxt = logits.argmax(-1) if temperature == 0 else _draw(logits, temperature, gen)
         alive = torch.ones(b, dtype=torch.long, device=model.device)
         for r, t in enumerate(nxt.tolist()):
             if reasons[r] is not None:
@@ -87,6 +71,28 @@ def stream_ar(
     if tokenizer is not None:
         result.text = [tokenizer.decode(t) for t in out]
     yield DoneEvent(result)
+
+
+def _checked(model: DiffusionGemma, ids: torch.Tensor, max_new_tokens, temperature, stop_token_ids) -> set[int]:
+    """The settings checked against the model and its context; the stop tokens (default: end of text)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer (got {max_new_tokens!r})")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (got {temperature})")
+    limit = model.text_config.max_position_embeddings
+    if ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
+            f"context of {limit} positions"
+        )
+    if stop_token_ids is None:
+        eos = model.generation_config.eos_token_id
+        stop_token_ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else eos)
+    return set(stop_token_ids)
+
+
+def _draw(logits: torch.Tensor, temperature: float, gen) -> torch.Tensor:
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)
 
 
 def _result(out, reasons, passes: int, prompt_tokens: list[int], t0: float, first, pad: int, max_new: int):

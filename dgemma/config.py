@@ -257,26 +257,8 @@ class TextConfig:
         bad_types = sorted(set(self.layer_types) - set(_LAYER_TYPES))
         if bad_types:
             errors.append(f"layer_types may only contain {_LAYER_TYPES} (got {bad_types})")
-        for layer_type in set(self.layer_types) & set(_LAYER_TYPES):
-            rope = self.rope_parameters.get(layer_type)
-            if not isinstance(rope, dict) or "rope_theta" not in rope:
-                errors.append(f"rope_parameters[{layer_type!r}] must be a dict with rope_theta")
-            elif rope.get("rope_type", "default") not in _ROPE_TYPES:
-                errors.append(
-                    f"rope_parameters[{layer_type!r}].rope_type must be one of {_ROPE_TYPES} "
-                    f"(got {rope.get('rope_type')!r})"
-                )
-            elif rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) != 1.0:
-                errors.append(f"rope_parameters[{layer_type!r}]: partial_rotary_factor needs rope_type 'proportional'")
-        for name, dim in (("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)):
-            if dim % 2:
-                errors.append(f"{name} must be even for RoPE (got {dim})")
-        for name, kv in (
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("num_global_key_value_heads", self.num_global_key_value_heads),
-        ):
-            if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
-                errors.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of {name} ({kv})")
+        errors += self._rope_errors()
+        errors += self._head_errors()
         moe = (self.num_experts, self.top_k_experts, self.moe_intermediate_size)
         if any(moe) and not all(isinstance(v, int) and v > 0 for v in moe):
             errors.append(
@@ -304,6 +286,36 @@ class TextConfig:
                 errors.append(f"eos_token_id {tok} is outside the vocabulary (size {self.vocab_size})")
         if errors:
             raise ValueError("invalid text_config: " + "; ".join(errors))
+
+    def _head_errors(self) -> list[str]:
+        """What is wrong with the attention heads' sizes."""
+        errors: list[str] = []
+        for name, dim in (("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)):
+            if dim % 2:
+                errors.append(f"{name} must be even for RoPE (got {dim})")
+        for name, kv in (
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("num_global_key_value_heads", self.num_global_key_value_heads),
+        ):
+            if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
+                errors.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of {name} ({kv})")
+        return errors
+
+    def _rope_errors(self) -> list[str]:
+        """What is wrong with rope_parameters, per layer type used."""
+        errors = []
+        for layer_type in set(self.layer_types) & set(_LAYER_TYPES):
+            rope = self.rope_parameters.get(layer_type)
+            if not isinstance(rope, dict) or "rope_theta" not in rope:
+                errors.append(f"rope_parameters[{layer_type!r}] must be a dict with rope_theta")
+            elif rope.get("rope_type", "default") not in _ROPE_TYPES:
+                errors.append(
+                    f"rope_parameters[{layer_type!r}].rope_type must be one of {_ROPE_TYPES} "
+                    f"(got {rope.get('rope_type')!r})"
+                )
+            elif rope.get("rope_type", "default") == "default" and rope.get("partial_rotary_factor", 1.0) != 1.0:
+                errors.append(f"rope_parameters[{layer_type!r}]: partial_rotary_factor needs rope_type 'proportional'")
+        return errors
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

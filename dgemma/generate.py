@@ -29,17 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calls import (  # noqa: F401 (the calls are public here too, where they were first)
-    MODEL_CALLS,
-    DenoiseCall,
-    DoneEvent,
-    EncodeCall,
-    LogitsBuffer,
-    ModelCall,
-    answer,
-    drive,
-    run,
-)
+from .calls import DenoiseCall, DoneEvent, EncodeCall, ModelCall, drive
 from .constraints import Allowed, as_allowed
 from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
@@ -518,8 +508,18 @@ def prepare(
     allowed = as_allowed(allowed, ids.shape[0], model.text_config.vocab_size)
     if allowed is not None:
         allowed.check(ids.shape[0], model.text_config.vocab_size, pins)
+    cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if pins is None else pins.shape[1]), cache)
+    pins = None if pins is None else pins.to(model.device)
+    allowed = None if allowed is None else allowed.to(model.device)
+    encode = EncodeCall(ids, cache, mask, pixels, exact=p.mode == "exact")
+    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats, encode)
+    return loop.run()
+
+
+def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
+    """The cache a request writes: a new one with room for the prompt and `total` new tokens in whole
+    canvases, or the conversation's (`cache`) if they fit in it; a ValueError beyond the context."""
     c = model.config.canvas_length
-    total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
     room = ids.shape[1] + math.ceil(total / c) * c
     limit = model.text_config.max_position_embeddings
     if (0 if cache is None else cache.length) + room > limit:
@@ -528,16 +528,12 @@ def prepare(
             f"of {c}) exceed the model's context of {limit} positions"
         )
     if cache is None:
-        cache = model.new_cache(ids.shape[0], room)
-    elif cache.length + room > cache.max_length:
+        return model.new_cache(ids.shape[0], room)
+    if cache.length + room > cache.max_length:
         raise ValueError(
             f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
         )
-    pins = None if pins is None else pins.to(model.device)
-    allowed = None if allowed is None else allowed.to(model.device)
-    encode = EncodeCall(ids, cache, mask, pixels, exact=p.mode == "exact")
-    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats, encode)
-    return loop.run()
+    return cache
 
 
 def _check_logprobs(logprobs: int | None, p: SamplingParams) -> None:

@@ -182,6 +182,21 @@ def _valid_kv_diff(ours_k: torch.Tensor, theirs_k: torch.Tensor, valid: torch.Te
 
 
 @torch.no_grad()
+def _cache_diff(cache, pkv, valid: torch.Tensor) -> float:
+    """Max |diff| of the cached keys and values at valid positions, dgemma's cache vs the oracle's."""
+
+    def written(tensors: list[torch.Tensor], i: int) -> torch.Tensor:
+        return tensors[i] if cache.is_sliding[i] else tensors[i][:, :, : cache.length]
+
+    return max(
+        max(
+            _valid_kv_diff(written(cache.keys, i), layer.keys, valid),
+            _valid_kv_diff(written(cache.values, i), layer.values, valid),
+        )
+        for i, layer in enumerate(pkv.layers)
+    )
+
+
 def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed: int = 0) -> dict[str, float]:
     """Run one scenario through the oracle and dgemma with the same inputs; return max |diff| per quantity.
 
@@ -204,29 +219,14 @@ def parity_case(oracle, model, *, prompt_lengths: list[int], commit: bool, seed:
     dtype = model.dtype
     out: dict[str, float] = {}
 
-    def row_valid(m: torch.Tensor) -> torch.Tensor:
-        return m.bool()
-
     pkv = DynamicCache(config=oracle.config.text_config)
     enc_kw = {"attention_mask": mask} if padded else {}
     ref_enc = oracle.model.encoder(input_ids=ids, past_key_values=pkv, **enc_kw).last_hidden_state
     cache = model.new_cache(b, t + 2 * c)
     enc = model.encode(ids, cache, attention_mask=mask if padded else None)
-    valid = row_valid(mask)
+    valid = mask.bool()
     out["prefill_hidden"] = (enc.hidden_states.float() - ref_enc.float()).abs()[valid].max().item()
-    out["prefill_kv"] = max(
-        max(
-            _valid_kv_diff(
-                cache.keys[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.keys[i], layer.keys, valid
-            ),
-            _valid_kv_diff(
-                cache.values[i][:, :, : cache.length] if not cache.is_sliding[i] else cache.values[i],
-                layer.values,
-                valid,
-            ),
-        )
-        for i, layer in enumerate(pkv.layers)
-    )
+    out["prefill_kv"] = _cache_diff(cache, pkv, valid)
 
     def dec_mask(extra: int) -> dict:
         return {"decoder_attention_mask": torch.nn.functional.pad(mask, (0, extra), value=1)} if padded else {}

@@ -295,7 +295,8 @@ def test_the_loop_yields_every_model_pass(pair, mode):
     """Issue 41, step 1: `prepare` runs no model pass; the loop asks for its prompt's encode first and for
     each commit between canvases (EncodeCall), as it asks for denoising, and answering its calls one by one
     gives `generate`'s tokens."""
-    from dgemma.generate import DenoiseCall, EncodeCall, answer, prepare
+    from dgemma.calls import DenoiseCall, EncodeCall, answer
+    from dgemma.generate import prepare
     from dgemma.runtime.runner import as_runner
 
     runner = as_runner(pair[1])

@@ -91,3 +91,17 @@ def test_library_code_imports_no_test_helper():
         n for n, p in modules.items() if n != "dgemma.testing" and "dgemma.testing" in _imports(n, p, modules)
     )
     assert users == []
+
+
+def test_no_module_over_600_lines_and_no_function_over_60():
+    """The style guide's bounds (one readable file per concern, functions that fit on a screen), checked
+    rather than hoped for."""
+    long_files, long_functions = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 600:
+            long_files.append(f"{path.relative_to(PACKAGE)}: {text.count(chr(10))}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert not long_files and not long_functions, (long_files, long_functions)

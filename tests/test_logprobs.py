@@ -11,8 +11,9 @@ import torch
 from live_server import KEY
 
 import dgemma
+from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, answer
 from dgemma.editing import canvas_logprobs, continuation_logprobs, prompt_logprobs
-from dgemma.generate import DenoiseCall, DoneEvent, EncodeCall, answer, prepare
+from dgemma.generate import prepare
 from dgemma.runtime.runner import as_runner
 from dgemma.testing import load_quiet
 

@@ -216,42 +216,25 @@ def load(
     primary, tied, vision, unknown = _map_names(source.names())
     unknown += getattr(source, "unknown", [])
     if config.vision_config is not None and not vision:
-        warnings.warn(
-            f"{directory}: config.json has a vision_config but the checkpoint no vision tower; loading it "
-            "as a text-only model",
-            stacklevel=2,
-        )
+        warnings.warn(f"{directory}: config.json has a vision_config but the checkpoint no vision tower; loading it "
+                      "as a text-only model", stacklevel=2)  # fmt: skip
         config.vision_config = None
     with torch.device("meta"):
         model = DiffusionGemma(config)
     specs = _stored_specs(model, stored, source)
-    spec = quant if isinstance(quant, QuantSpec) or quant is None else QuantSpec.of(quant, group_size)
-    if specs and spec:
-        as_stored = stored["mode"] if stored else "gguf" if isinstance(source, GGUFSource) else "compressed-tensors"
-        if spec.mode != as_stored:
-            raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {spec.mode}")
-        spec = None
+    spec = _quantize_on_load(directory, quant, group_size, specs, stored, source)
     if specs:  # the checkpoint holds codes and scales: validate against the quantized layout
         with torch.device("meta"):
             swap_modules(model, specs, empty=True)
     _check_names(directory, model, source, primary, tied, unknown)
-    target = resolve_dtype(dtype)
-    if target is None:
-        target = source.get(primary["embed_tokens.weight"]).dtype
-        if target not in _DTYPE_NAMES:
-            target = torch.float32
+    target = resolve_dtype(dtype) or _stored_dtype(source, primary)
     if spec:  # quantize on load: the full-precision layout was validated above
         with torch.device("meta"):
             swap_modules(model, dict.fromkeys(targets(model), spec), empty=True)
     report = _Progress(len(primary), f"loading {directory.name}") if progress else None
     state = _read_state(model, source, primary, device, target, spec, report)
     if verify_tied:
-        for hf, ours in tied.items():
-            if not torch.equal(source.get(hf).to(device=device, dtype=state[ours].dtype), state[ours]):
-                raise ValueError(
-                    f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
-                    "DiffusionGemma shares these weights between encoder and decoder"
-                )
+        _check_tied(source, tied, primary, state, device)
     model.load_state_dict(state, strict=True, assign=True)
     if spec:
         model.quantization = describe_spec(spec)
@@ -260,6 +243,60 @@ def load(
     model.generation_config = generation
     model.eval()
     return model
+
+
+def _stored_dtype(source, primary: dict) -> torch.dtype:
+    """dtype "auto": the embedding's stored dtype (float32 for one a model does not run in)."""
+    stored = source.get(primary["embed_tokens.weight"]).dtype
+    return stored if stored in _DTYPE_NAMES else torch.float32
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    """The tensors in files of at most `max_shard_bytes` (with an index when there are several), each
+    written atomically; the files of the other layout are removed."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        atomic_save_tensors(shards[0], out / "model.safetensors", meta)
+        (out / "model.safetensors.index.json").unlink(missing_ok=True)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        atomic_save_tensors(shard, out / fname, meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    (out / "model.safetensors").unlink(missing_ok=True)
+
+
+def _quantize_on_load(directory: Path, quant, group_size: int, specs, stored, source) -> QuantSpec | None:
+    """The QuantSpec to quantize with as the tensors are read: `quant`'s, or None for a checkpoint that is
+    already quantized (as asked, or a ValueError naming how it is stored)."""
+    spec = quant if isinstance(quant, QuantSpec) or quant is None else QuantSpec.of(quant, group_size)
+    if specs and spec:
+        as_stored = stored["mode"] if stored else "gguf" if isinstance(source, GGUFSource) else "compressed-tensors"
+        if spec.mode != as_stored:
+            raise ValueError(f"{directory} is already quantized as {as_stored}; it cannot load as {spec.mode}")
+        return None
+    return spec
+
+
+def _check_tied(source, tied: dict, primary: dict, state: dict, device) -> None:
+    """Tied copies stored twice must hold the same values as the copy read."""
+    for hf, ours in tied.items():
+        if not torch.equal(source.get(hf).to(device=device, dtype=state[ours].dtype), state[ours]):
+            raise ValueError(
+                f"{hf} is stored as a tied copy of {primary[ours]} but its values differ; "
+                "DiffusionGemma shares these weights between encoder and decoder"
+            )
 
 
 def _open(directory: Path):
@@ -501,28 +538,7 @@ def save(
         named, quantization_config = export(model, input_ranges)
     else:
         named = dict(hf_state_dict(model))
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named.items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        atomic_save_tensors(shards[0], out / "model.safetensors", meta)
-        (out / "model.safetensors.index.json").unlink(missing_ok=True)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            atomic_save_tensors(shard, out / fname, meta)
-            weight_map.update(dict.fromkeys(shard, fname))
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        atomic_write_bytes(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
-        (out / "model.safetensors").unlink(missing_ok=True)
+    _write_shards({name: t.detach().to("cpu").contiguous() for name, t in named.items()}, out, max_shard_bytes)
     gen = generation_config or getattr(model, "generation_config", None)
     if gen is not None:
         atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())

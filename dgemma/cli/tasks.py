@@ -112,6 +112,37 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     return 0 if solved.solved else 1
 
 
+def _add_sudoku_search_args(s) -> None:
+    """How many canvases a solve may take, what starts a new one, and when one has settled."""
+    from .common import add_old_name
+
+    s.add_argument(
+        "--attempts",
+        type=int,
+        default=None,
+        help="denoise up to N canvases (seeds SEED, SEED+1, ...), a new one while the last is not accepted "
+        "(--retry-on); steps count every canvas (default 40; 64 with --retry-on unsettled)",
+    )
+    s.add_argument(
+        "--retry-on",
+        default=None,
+        choices=["invalid", "unsettled"],
+        help="what starts a new canvas: 'invalid' (default; verified retries): the grid fails the rule check "
+        "(a repeated digit; not a solver: every grid is the model's); 'unsettled' (self-verified restarts): "
+        "the model's own stop rule did not end the last canvas before the step cap, nothing outside the "
+        "model is consulted",
+    )
+    s.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=None,
+        help="the stop rule's mean-entropy threshold: a canvas settles when its draft is stable and its mean "
+        "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled, which also "
+        "asks the draft to stay unchanged for 2 steps rather than 1)",
+    )
+    add_old_name(s, "--stop-entropy", "--confidence-threshold", dest="confidence_threshold", type=float)
+
+
 def register(sub) -> None:
     from .common import add_old_name, add_quant_args
 
@@ -142,31 +173,7 @@ def register(sub) -> None:
     )
     add_old_name(s, "--steps", "--max-denoising-steps", dest="max_denoising_steps", type=int)
     s.add_argument("--seed", type=int, default=None, help="random seed (puzzle choice and sampling)")
-    s.add_argument(
-        "--attempts",
-        type=int,
-        default=None,
-        help="denoise up to N canvases (seeds SEED, SEED+1, ...), a new one while the last is not accepted "
-        "(--retry-on); steps count every canvas (default 40; 64 with --retry-on unsettled)",
-    )
-    s.add_argument(
-        "--retry-on",
-        default=None,
-        choices=["invalid", "unsettled"],
-        help="what starts a new canvas: 'invalid' (default; verified retries): the grid fails the rule check "
-        "(a repeated digit; not a solver: every grid is the model's); 'unsettled' (self-verified restarts): "
-        "the model's own stop rule did not end the last canvas before the step cap, nothing outside the "
-        "model is consulted",
-    )
-    s.add_argument(
-        "--confidence-threshold",
-        type=float,
-        default=None,
-        help="the stop rule's mean-entropy threshold: a canvas settles when its draft is stable and its mean "
-        "entropy is below this (default: the model's own 0.005; 0.002 with --retry-on unsettled, which also "
-        "asks the draft to stay unchanged for 2 steps rather than 1)",
-    )
-    add_old_name(s, "--stop-entropy", "--confidence-threshold", dest="confidence_threshold", type=float)
+    _add_sudoku_search_args(s)
     s.add_argument(
         "--one-canvas",
         action="store_true",

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..generate import DenoiseCall, DoneEvent, drive, left_pad, prepare
+from ..calls import DenoiseCall, DoneEvent, drive
+from ..generate import left_pad, prepare
 from ..model import DiffusionGemma
 
 
