@@ -9,14 +9,12 @@
             stop early once the argmax canvas is stable and confident
         commit the argmax canvas through encode
 
-Two modes share this loop. `exact` reproduces transformers' `generate` operation for operation and
-random draw for random draw, so the same seed gives the same token ids. `fast` (the default) computes the
-same distribution with less work: one full-vocabulary buffer per step, draws only where tokens are
-accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and it can pin
-positions (infilling, editing, templates) and stream a canvas's leading tokens early.
-
-The mode is the sampler's arithmetic; it also says which modules run the passes when `model` is a
-Runner (dgemma/runtime/runner.py): exact mode always the reference modules, fast mode the runner's fast twin.
+This is the fast loop (mode "fast", the default): one full-vocabulary buffer per step, draws only where
+tokens are accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and
+it can pin positions (infilling, editing, templates), constrain them, and stream a canvas's leading tokens
+early. Mode "exact" reproduces transformers' `generate` operation for operation and random draw for
+random draw, so the same seed gives the same token ids: it is its own program, dgemma/reference.py, on
+the reference modules; `prepare` returns one or the other. Both compute the same distribution.
 """
 
 from __future__ import annotations
@@ -35,74 +33,18 @@ from .images import DEFAULT_BUDGET
 from .kv_cache import KVCache
 from .model import DiffusionGemma
 from .prompts import left_pad, prompt_rows, with_images
+from .reference import reference_program
+from .results import DraftEvent, GenerationResult, GenerationStats, Output, TokensEvent, sequence_canvas  # noqa: F401 (public here)
 from .runtime.runner import Runner, as_runner
 from .sampling import (
     StableAndConfident,
-    entropy_reference,
     fast_transition,
     random_tokens,
-    reference_transition,
     restrict,
     temperature,
     top_logprobs,
 )
 from .settings import MODES, SamplingParams  # noqa: F401 (the settings live in settings.py; both are public here too)
-
-# ------------------------------------------------------------------------------------------------
-# What the loop reports
-
-
-@dataclass
-class DraftEvent:
-    """After each denoising step: the argmax canvas of every row (finished rows keep their last draft)."""
-
-    canvas_index: int
-    step: int  # 1 for the first step of a canvas
-    drafts: torch.Tensor  # [B, C]
-    accepted: torch.Tensor  # [B, C] bool: positions accepted (or pinned) this step
-    # with step_stats: of the distribution the sampler read (after temperature and constraints); a row
-    # that has stopped keeps its last values
-    entropy: torch.Tensor | None = None  # [B, C] fp32
-    confidence: torch.Tensor | None = None  # [B, C] fp32, the argmax's probability
-
-
-@dataclass
-class TokensEvent:
-    """Tokens of one row that are final: a committed canvas, or its leading part under early commit."""
-
-    row: int
-    tokens: list[int]
-    canvas_index: int
-    early: bool = False
-
-
-@dataclass
-class GenerationStats:
-    canvases: int
-    steps_per_canvas: list[list[int]]  # per row: denoising steps that row ran in each canvas
-    # per row and canvas: the stop rule (stable and confident) ended it, at or before the step cap (or, with
-    # early commit, every position was committed; a row that had already stopped counts as ended)
-    converged_per_canvas: list[list[bool]]
-    decoder_forward_passes: list[int]
-    tokens_per_forward: list[float]
-    time_to_first_token: float | None  # seconds from the call to the first final token
-    elapsed: float
-    tokens_per_second: float
-    prompt_tokens: list[int]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]  # per row: new tokens, stop token excluded, at most max_new_tokens
-    finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_new_tokens)
-    sequences: torch.Tensor  # [B, canvases * C]: the committed canvases, pad after a stop token
-    stats: GenerationStats
-    text: list[str] | None = None
-    # with `logprobs=k`: per row and token, the denoiser's log-probability of it at its canvas's last step
-    # (before temperature), and the k likeliest tokens there as (id, log-probability)
-    logprobs: list[list[float]] | None = None
-    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
-
 
 Event = DraftEvent | TokensEvent | DoneEvent
 MAX_LOGPROBS = 20  # alternatives per token a result may carry
@@ -123,7 +65,7 @@ class _Canvas:
     done: torch.Tensor  # [B] bool: this row stopped denoising
     needed: torch.Tensor  # [B, C] bool: positions whose tokens will be returned
     allowed: torch.Tensor | None = None  # [B, C] class of each position's allowed tokens (-1: any), when constrained
-    sc: torch.Tensor | None = None  # self-conditioning: processed logits (exact) or soft embeddings (fast)
+    sc: torch.Tensor | None = None  # self-conditioning: the soft embeddings of the last step's logits
     steps: torch.Tensor | None = None  # [B] steps run in this canvas
     stable_steps: torch.Tensor | None = None  # [B, C] consecutive steps with the same argmax (early commit)
     logprob: torch.Tensor | None = None  # [B, C] with logprobs: the draft's log-probability at the latest step
@@ -143,54 +85,6 @@ def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, de
     return out
 
 
-class _Output:
-    """Per-row bookkeeping of what has been returned, and why a row finished."""
-
-    def __init__(self, batch: int, max_new_tokens: int, stop_ids: list[int]):
-        self.tokens: list[list[int]] = [[] for _ in range(batch)]
-        self.logprobs: list[list[float]] = [[] for _ in range(batch)]  # with logprobs: one per token
-        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(batch)]
-        self.reasons: list[str | None] = [None] * batch
-        self.max_new = max_new_tokens
-        self.stop_ids = set(stop_ids)
-        self.first_token_time: float | None = None
-
-    def finished(self, row: int) -> bool:
-        return self.reasons[row] is not None
-
-    def take(self, row: int, tokens: list[int], canvas_index: int, early: bool, logprobs=None) -> TokensEvent | None:
-        """Append final tokens to a row up to a stop token or the length limit (and, given as (log-probabilities,
-        alternatives) aligned with `tokens`, their log-probabilities); None if nothing is new."""
-        out = []
-        for t in tokens:
-            if t in self.stop_ids:
-                self.reasons[row] = "stop"
-                break
-            out.append(t)
-            if len(self.tokens[row]) + len(out) >= self.max_new:
-                self.reasons[row] = "length"
-                break
-        self.tokens[row].extend(out)
-        if logprobs is not None:
-            self.logprobs[row].extend(logprobs[0][: len(out)])
-            self.top[row].extend(logprobs[1][: len(out)])
-        if not out:
-            return None
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
-        return TokensEvent(row, out, canvas_index, early)
-
-
-def _sequence_canvas(final: torch.Tensor, stop: torch.Tensor, pad_id: int, was_finished: torch.Tensor):
-    """The reference's committed canvas: pad after the first stop token, all pad for rows finished before."""
-    is_stop = torch.isin(final, stop)
-    seen = is_stop.cumsum(-1)
-    after = (seen > 0) & ~((seen == 1) & is_stop)
-    out = final.masked_fill(after, pad_id)
-    out[was_finished] = pad_id
-    return out, is_stop.any(-1)
-
-
 class _Loop:
     """Runs canvases for one batch of prompts: asks for the prompt's encode into `cache` (`prompt`, None when
     it is there already), then denoises and commits canvas after canvas."""
@@ -201,8 +95,7 @@ class _Loop:
         cache: KVCache,
         p: SamplingParams,
         pins: torch.Tensor | None,
-        prompt_tokens: list[int],
-        t0: float,
+        out: Output,
         allowed: Allowed | None = None,
         logprobs: int | None = None,
         step_stats: bool = False,
@@ -210,36 +103,20 @@ class _Loop:
     ):
         model = runner.model
         self.step_stats, self.prompt = step_stats, prompt
-        self.runner, self.model, self.cache, self.p, self.t0 = runner, model, cache, p, t0
+        self.runner, self.model, self.cache, self.p, self.out = runner, model, cache, p, out
         self.b = cache.batch_size
         self.c = model.config.canvas_length
         self.v = model.text_config.vocab_size
         self.device = model.device
-        self.pins = pins
-        self.allowed = allowed
-        self.logprobs = logprobs
-        self.prompt_tokens = prompt_tokens
-        self.pad_id = model.generation_config.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = model.text_config.pad_token_id or 0
+        self.pins, self.allowed, self.logprobs = pins, allowed, logprobs
         self.stop = torch.tensor(p.stop_token_ids or [-1], device=self.device)
-        self.exact = p.mode == "exact"
-        self.gen = None
-        if p.seed is not None:
-            if self.exact:
-                torch.manual_seed(p.seed)  # the reference draws from the global generator
-            else:
-                self.gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.gen = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
         self.sampler = p.make_sampler()
         # per-step constants, made once: temperatures by remaining step, and the embedding scale
         n = p.max_denoising_steps
         self.temperatures = {s: temperature(s, n, p.t_min, p.t_max, self.device) for s in range(1, n + 1)}
         w = model.embed_tokens.weight
         self.embedding, self.embed_scale = w, model.embed_scale(w.dtype)
-        self.out = _Output(self.b, p.max_new_tokens, p.stop_token_ids)
-        self.passes = torch.zeros(self.b, dtype=torch.long, device=self.device)
-        self.steps_per_canvas: list[list[int]] = [[] for _ in range(self.b)]
-        self.converged_per_canvas: list[list[bool]] = [[] for _ in range(self.b)]
         total = max(p.max_new_tokens, 0 if pins is None else pins.shape[1])
         self.num_canvases = math.ceil(total / self.c)
 
@@ -253,8 +130,6 @@ class _Loop:
         budget = self.p.max_new_tokens - k * c
         needed = (torch.arange(c, device=self.device) < budget).expand(b, c)
         done = torch.tensor([self.out.finished(r) for r in range(b)], device=self.device)
-        if self.exact:
-            done = torch.zeros(b, dtype=torch.bool, device=self.device)  # the reference denoises every row
         return _Canvas(
             tokens=tokens,
             argmax=tokens,
@@ -267,29 +142,6 @@ class _Loop:
             stable_steps=torch.zeros(b, c, dtype=torch.long, device=self.device),
             frontier=[0] * b,
         )
-
-    def _exact_step(self, st: _Canvas, step: int, stopper: StableAndConfident, finished_rows: torch.Tensor):
-        """transformers' denoising step, operation for operation (and draw for draw)."""
-        counted = (~(st.done | finished_rows)).long()
-        self.passes += counted
-        st.steps += counted
-        # the reference embeds its processed logits inside its forward; the same function, here
-        sc = None if st.sc is None else self.model.soft_embedding(st.sc)
-        logits = yield DenoiseCall(st.tokens, self.cache, self_conditioning=sc, exact=True)
-        processed = logits / self.temperatures[step]
-        t = reference_transition(processed, st.tokens, self.p.entropy_bound)
-        tokens, argmax, entropy = t.tokens, t.argmax, t.entropy
-        if st.done.any():  # stopped rows keep their state
-            argmax = torch.where(st.done[:, None], st.argmax, argmax)
-            tokens = torch.where(st.done[:, None], st.tokens, tokens)
-            processed = torch.where(st.done[:, None, None], st.sc, processed)
-            entropy = entropy_reference(processed)
-        st.done |= stopper(argmax, entropy)
-        if self.step_stats:
-            st.entropy, st.confidence = entropy.float(), torch.softmax(processed.float(), -1).amax(-1)
-        st.sc = processed.to(self.model.dtype)
-        st.tokens, st.argmax = tokens, argmax
-        return t.accepted
 
     def _fast_step(self, st: _Canvas, step: int, stopper: StableAndConfident):
         """The same step for the rows still denoising, with one full-vocabulary buffer and draws where accepted."""
@@ -305,7 +157,7 @@ class _Loop:
             tokens, pinned, pin_values, needed = st.tokens[rows], st.pinned[rows], st.pin_values[rows], st.needed[rows]
             sc = None if st.sc is None else st.sc[rows]
             allowed = None if st.allowed is None else st.allowed[rows]
-        self.passes[rows] += 1
+        self.out.passes[rows] += 1
         st.steps[rows] += 1
         logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
         lse, top = None, None
@@ -408,23 +260,17 @@ class _Loop:
         finished_rows = torch.zeros(self.b, dtype=torch.bool, device=self.device)
         for k in range(self.num_canvases):
             st = self._new_canvas(k)
-            shape = None if self.exact else (self.b, c)
-            stopper = StableAndConfident(p.stability_threshold, p.confidence_threshold, shape, self.device)
+            stopper = StableAndConfident(p.stability_threshold, p.confidence_threshold, (self.b, c), self.device)
             for n, step in enumerate(range(p.max_denoising_steps, 0, -1), 1):
-                if self.exact:
-                    accepted = yield from self._exact_step(st, step, stopper, finished_rows)
-                else:
-                    accepted = yield from self._fast_step(st, step, stopper)
+                accepted = yield from self._fast_step(st, step, stopper)
                 yield DraftEvent(k, n, st.argmax, accepted, st.entropy, st.confidence)
                 if p.early_commit:
                     yield from self._early_commit(st, k)
                 if bool(st.done.all()):
                     break
-            for r, (steps, done) in enumerate(zip(st.steps.tolist(), (st.done | finished_rows).tolist(), strict=True)):
-                self.steps_per_canvas[r].append(steps)  # one device read per canvas, not one per row
-                self.converged_per_canvas[r].append(done)
+            self.out.end_canvas(st.steps, st.done | finished_rows)
             final = st.argmax
-            seq, hit_stop = _sequence_canvas(final, self.stop, self.pad_id, finished_rows)
+            seq, hit_stop = sequence_canvas(final, self.stop, self.out.pad_id, finished_rows)
             sequences.append(seq)
             for r in range(self.b):
                 if not self.out.finished(r):
@@ -436,31 +282,8 @@ class _Loop:
             if all(self.out.finished(r) for r in range(self.b)) or k == self.num_canvases - 1:
                 break
             # commit: generated tokens, which may hold the image placeholder id (embedded as any token)
-            yield EncodeCall(seq, self.cache, is_generated=True, exact=self.exact)
-        yield DoneEvent(self._result(torch.cat(sequences, dim=1)))
-
-    def _result(self, sequences: torch.Tensor) -> GenerationResult:
-        elapsed = time.perf_counter() - self.t0
-        counted = (sequences[:, : self.p.max_new_tokens] != self.pad_id).sum(-1)
-        passes = self.passes.tolist()
-        reasons = [r or "length" for r in self.out.reasons]
-        total = sum(len(t) for t in self.out.tokens)
-        first = self.out.first_token_time
-        stats = GenerationStats(
-            canvases=sequences.shape[1] // self.c,
-            steps_per_canvas=self.steps_per_canvas,
-            converged_per_canvas=self.converged_per_canvas,
-            decoder_forward_passes=passes,
-            tokens_per_forward=[float(n) / max(f, 1) for n, f in zip(counted.tolist(), passes, strict=True)],
-            time_to_first_token=None if first is None else first - self.t0,
-            elapsed=elapsed,
-            tokens_per_second=total / elapsed if elapsed > 0 else 0.0,
-            prompt_tokens=self.prompt_tokens,
-        )
-        result = GenerationResult(self.out.tokens, reasons, sequences, stats)
-        if self.logprobs is not None:
-            result.logprobs, result.top_logprobs = self.out.logprobs, self.out.top
-        return result
+            yield EncodeCall(seq, self.cache, is_generated=True)
+        yield DoneEvent(self.out.result(torch.cat(sequences, dim=1), self.logprobs is not None))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -511,9 +334,13 @@ def prepare(
     cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if pins is None else pins.shape[1]), cache)
     pins = None if pins is None else pins.to(model.device)
     allowed = None if allowed is None else allowed.to(model.device)
-    encode = EncodeCall(ids, cache, mask, pixels, exact=p.mode == "exact")
-    loop = _Loop(runner, cache, p, pins, [len(r) for r in rows], t0, allowed, logprobs, step_stats, encode)
-    return loop.run()
+    exact = p.mode == "exact"
+    encode = EncodeCall(ids, cache, mask, pixels, exact=exact)
+    pad_id = (model.text_config.pad_token_id or 0) if pad_id is None else pad_id  # what commits pad with
+    out = Output(ids.shape[0], p, [len(r) for r in rows], pad_id, model.device, t0)
+    if exact:  # transformers' generate, its own program (dgemma/reference.py)
+        return reference_program(model, cache, p, encode, out, step_stats)
+    return _Loop(runner, cache, p, pins, out, allowed, logprobs, step_stats, encode).run()
 
 
 def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
