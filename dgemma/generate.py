@@ -290,7 +290,20 @@ class _Loop:
 # Public entry points
 
 
-def prepare(
+@dataclass
+class Request:
+    """One generation request, checked against a model (`make_request`): what `start` runs."""
+
+    rows: list[list[int]]  # the prompt's token rows (left-padded when run)
+    params: SamplingParams  # resolved against the checkpoint's defaults
+    pins: torch.Tensor | None = None  # [B, L] given tokens of the generated sequence, -1 elsewhere
+    allowed: Allowed | None = None  # the tokens each generated position may hold
+    logprobs: int | None = None  # alternatives per token in the result (0: the token's own only)
+    pixels: object = None  # vision.Pixels of the images whose placeholders the rows hold
+    step_stats: bool = False  # each step's entropy and confidence in its DraftEvent (dgemma.tracing)
+
+
+def make_request(
     model: DiffusionGemma | Runner,
     prompt,
     params: SamplingParams | None = None,
@@ -299,21 +312,15 @@ def prepare(
     pins: torch.Tensor | None = None,
     allowed=None,
     logprobs: int | None = None,
-    cache: KVCache | None = None,
     pixels=None,
     images=None,
     max_soft_tokens: int = DEFAULT_BUDGET,
     step_stats: bool = False,
     **overrides,
-) -> Generator[Event | ModelCall, torch.Tensor | None, None]:
-    """Validate the request and return the canvas loop, a generator of events and model calls (the
-    prompt's EncodeCall first, then DenoiseCalls and the commits' EncodeCalls; see `drive`). `stream` is
-    this plus a driver; a server drives many at once. `model` is a DiffusionGemma or a Runner
-    (dgemma/runtime/runner.py: which modules run the passes). `step_stats` puts each step's entropy and confidence
-    in its DraftEvent (dgemma.tracing); nothing else changes."""
-    t0 = time.perf_counter()
-    runner = as_runner(model)
-    model = runner.model
+) -> Request:
+    """A Request of `prompt` (see `stream` for the arguments), every part checked: a ValueError names what
+    is wrong before anything runs."""
+    model = as_runner(model).model
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
     if pins is not None and p.mode == "exact":
@@ -324,23 +331,42 @@ def prepare(
     if images is not None:
         prompt, pixels = with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
     rows = prompt_rows(prompt, tokenizer)
-    pad_id = model.generation_config.pad_token_id
-    ids, mask = left_pad(rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
-    if pins is not None and pins.shape[0] != ids.shape[0]:
-        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {ids.shape[0]} prompts")
-    allowed = as_allowed(allowed, ids.shape[0], model.text_config.vocab_size)
+    if pins is not None and pins.shape[0] != len(rows):
+        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {len(rows)} prompts")
+    allowed = as_allowed(allowed, len(rows), model.text_config.vocab_size)
     if allowed is not None:
-        allowed.check(ids.shape[0], model.text_config.vocab_size, pins)
-    cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if pins is None else pins.shape[1]), cache)
-    pins = None if pins is None else pins.to(model.device)
-    allowed = None if allowed is None else allowed.to(model.device)
+        allowed.check(len(rows), model.text_config.vocab_size, pins)
+    return Request(rows, p, pins, allowed, logprobs, pixels, step_stats)
+
+
+def start(model: DiffusionGemma | Runner, request: Request, cache: KVCache | None = None):
+    """The program of a Request: the fast canvas loop, or for mode "exact" transformers' generate step for
+    step (dgemma/reference.py); a generator of events and model calls (the prompt's EncodeCall first, then
+    DenoiseCalls and the commits' EncodeCalls; see `dgemma.calls.drive`). `cache` continues a
+    conversation already in it (else a new one, sized for the request)."""
+    t0 = time.perf_counter()
+    runner = as_runner(model)
+    model, r, p = runner.model, request, request.params
+    pad_id = model.generation_config.pad_token_id
+    ids, mask = left_pad(r.rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
+    cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if r.pins is None else r.pins.shape[1]), cache)
+    pins = None if r.pins is None else r.pins.to(model.device)
+    allowed = None if r.allowed is None else r.allowed.to(model.device)
     exact = p.mode == "exact"
-    encode = EncodeCall(ids, cache, mask, pixels, exact=exact)
+    encode = EncodeCall(ids, cache, mask, r.pixels, exact=exact)
     pad_id = (model.text_config.pad_token_id or 0) if pad_id is None else pad_id  # what commits pad with
-    out = Output(ids.shape[0], p, [len(r) for r in rows], pad_id, model.device, t0)
-    if exact:  # transformers' generate, its own program (dgemma/reference.py)
-        return reference_program(model, cache, p, encode, out, step_stats)
-    return _Loop(runner, cache, p, pins, out, allowed, logprobs, step_stats, encode).run()
+    out = Output(ids.shape[0], p, [len(row) for row in r.rows], pad_id, model.device, t0)
+    if exact:
+        return reference_program(model, cache, p, encode, out, r.step_stats)
+    return _Loop(runner, cache, p, pins, out, allowed, r.logprobs, r.step_stats, encode).run()
+
+
+def prepare(
+    model: DiffusionGemma | Runner, prompt, params: SamplingParams | None = None, *, cache=None, **kwargs
+) -> Generator[Event | ModelCall, torch.Tensor | None, None]:
+    """`start(make_request(...))`: check the request and return its program (`model`: a DiffusionGemma or
+    a Runner, dgemma/runtime/runner.py). `stream` is this plus a driver; a server drives many at once."""
+    return start(model, make_request(model, prompt, params, **kwargs), cache)
 
 
 def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
