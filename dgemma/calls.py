@@ -122,13 +122,16 @@ def score(model: DiffusionGemma | Runner, prompt: list[int], continuations: list
     token_logp = logp.gather(-1, tail[:, 1:, None]).squeeze(-1)
     out = Scores([token_logp[i, : len(c)].cpu() for i, c in enumerate(continuations)])
     if top:
-        best = logp.topk(top, dim=-1)
-        ids, values = best.indices.tolist(), best.values.tolist()
-        out.top = [
-            [list(zip(i, v, strict=True)) for i, v in zip(ids[r][: len(c)], values[r][: len(c)], strict=True)]
-            for r, c in enumerate(continuations)
-        ]
+        out.top = [alternatives(logp[r, : len(c)], top) for r, c in enumerate(continuations)]
     return out
+
+
+def alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest tokens of each row of log-probabilities [n, V], as (id, log-probability)."""
+    if not k:
+        return [[] for _ in range(logp.shape[0])]
+    top = logp.topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
 
 
 @torch.no_grad()

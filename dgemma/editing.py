@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, run, score
+from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, alternatives, run, score
 from .generate import GenerationResult
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
@@ -263,14 +263,6 @@ def prompt_logprobs(
     return run(as_runner(model), prompt_logprobs_program(prompt, k))
 
 
-def _alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """The k likeliest tokens of each row of log-probabilities [n, V], as (id, log-probability)."""
-    if not k:
-        return [[] for _ in range(logp.shape[0])]
-    top = logp.topk(k, dim=-1)
-    return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
-
-
 def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: list[int], k: int = 0):
     """A read-only denoising pass: the canvas is read as it is (nothing sampled, nothing renoised, no
     self-conditioning), and each of its tokens gets the denoiser's log-probability there, with the k
@@ -288,7 +280,7 @@ def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: li
     logits = yield DenoiseCall(ids, cache)
     logp = torch.log_softmax(logits[0, : len(canvas)].float(), dim=-1)
     chosen = logp.gather(-1, ids[0, : len(canvas), None]).squeeze(-1).tolist()
-    yield DoneEvent((chosen, _alternatives(logp, k)))
+    yield DoneEvent((chosen, alternatives(logp, k)))
 
 
 def canvas_logprobs(

@@ -294,9 +294,15 @@ class Engine:
         except StopIteration:
             request._call = None
         except Exception as e:  # report it to this request; the others go on
-            self.stats.requests_failed += 1
-            request._call = None
-            request.events.put(e)
+            self._fail([request], e)
+
+    def _fail(self, requests: list[EngineRequest], error: Exception) -> None:
+        """End `requests` with `error` as their last event (the others go on)."""
+        for r in requests:
+            r._call = None
+            r.program.close()
+            r.events.put(error)
+        self.stats.requests_failed += len(requests)
 
     def _drop_finished(self) -> None:
         now = time.monotonic()
@@ -367,11 +373,7 @@ class Engine:
                 self._answer_one(r)
             return
         except Exception as e:
-            for r in group:
-                r.program.close()
-                r.events.put(e)
-                r._call = None
-            self.stats.requests_failed += len(group)
+            self._fail(group, e)
             return
         self.stats.encode_passes += 1
         for r in group:
@@ -382,10 +384,7 @@ class Engine:
         try:
             reply = answer(self.runner, request._call)
         except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
-            self.stats.requests_failed += 1
-            request._call = None
-            request.program.close()
-            request.events.put(e)
+            self._fail([request], e)
             return
         self.stats.encode_passes += isinstance(request._call, EncodeCall)
         self._advance(request, reply)
@@ -407,10 +406,7 @@ class Engine:
             out = self._logits.rows(tokens.shape) if self.runner.writes_in_place(calls[0].exact) else None
             logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact, out=out)
         except Exception as e:
-            for r in group:
-                r.events.put(e)
-                r._call = None
-            self.stats.requests_failed += len(group)
+            self._fail(group, e)
             return
         self.stats.denoising_steps += 1
         self.stats.row_steps += tokens.shape[0]

@@ -412,11 +412,10 @@ def tool_call_program(
         index = names.index(name)
     elif len(plans) == 1:
         index = 0
-    else:
+    else:  # the call's start that the encoder scores best as the answer's start (choose, whole=False)
         starts = [tokenizer.encode(f"{CALL_OPEN}call:{n}{{", add_special_tokens=False) for n in names]
-        scored = yield ScoreCall(prompt, starts)
-        scores = [float(lp.sum()) for lp in scored.logprobs]
-        index = max(range(len(names)), key=scores.__getitem__)
+        chosen = yield from result_of(choose_program(runner, prompt, names, starts, whole=False))
+        index, scores = chosen.index, chosen.scores
     name, plan = plans[index]
     if plan.fixed:  # a function without arguments: nothing to generate
         yield DoneEvent(ToolCall(name, {}, call_text(name, {}), scores))

@@ -72,7 +72,9 @@ async def _canvas_score(served: Served, body: CanvasScoreRequest) -> dict:
     try:
         chosen, tops = await runs.outcome(served.engine, program, served.request_timeout)
     except ApiError as e:
-        raise ApiError(e.status, e.message, "canvas") if e.status == 400 else e from None
+        if e.status != 400:
+            raise
+        raise ApiError(400, e.message, "canvas") from None
     block = logprob_blocks.legacy(served.tokenizer, ids["canvas"], chosen, tops)
     return {
         "object": "canvas.score",
