@@ -32,7 +32,6 @@ class DenoiseCall:
     tokens: torch.Tensor  # [b, C]
     cache: KVCache
     self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
-    exact: bool = False  # exact mode: run the reference modules (Runner.denoise(exact=True))
 
 
 @dataclass
@@ -45,7 +44,6 @@ class EncodeCall:
     attention_mask: torch.Tensor | None = None  # [b, T], 0 marks left padding
     pixels: object = None  # vision.Pixels of the images whose placeholders `ids` holds
     is_generated: bool = False  # a committed canvas (may hold the image placeholder id), not a prompt
-    exact: bool = False  # exact mode: the reference modules
 
 
 @dataclass
@@ -141,13 +139,10 @@ def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) 
     if isinstance(call, ScoreCall):
         return score(runner, call.prompt, call.continuations, call.top)
     if isinstance(call, EncodeCall):
-        runner.encode(
-            call.ids, call.cache, call.attention_mask, exact=call.exact, pixels=call.pixels,
-            is_generated=call.is_generated,
-        )  # fmt: skip
+        runner.encode(call.ids, call.cache, call.attention_mask, pixels=call.pixels, is_generated=call.is_generated)
         return None
-    out = buffer.rows(call.tokens.shape) if buffer is not None and runner.writes_in_place(call.exact) else None
-    return runner.denoise(call.tokens, call.cache, call.self_conditioning, exact=call.exact, out=out)
+    out = buffer.rows(call.tokens.shape) if buffer is not None and runner.writes_in_place() else None
+    return runner.denoise(call.tokens, call.cache, call.self_conditioning, out=out)
 
 
 def drive(model: DiffusionGemma | Runner, program: Generator, observe=None) -> Iterator:

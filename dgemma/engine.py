@@ -65,7 +65,7 @@ class EngineRequest:
     program: Generator  # events and model calls, a DoneEvent last
     prompt_tokens: int = 0  # the prefill work it brings (the waiting queue is bounded in these)
     want_drafts: bool = False
-    global_rng: bool = False  # exact mode: draws from torch's global generator (run with its own saved state)
+    reference: bool = False  # exact mode: run on the reference modules, drawing from its own global generator state
     timeout: float | None = None  # seconds from submission
     id: int = field(default_factory=itertools.count().__next__)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -89,7 +89,7 @@ def generation_request(
         generate_program(runner, prompt, params, **kwargs),
         prompt_tokens=sum(len(r) for r in rows),
         want_drafts=want_drafts,
-        global_rng=params.mode == "exact",
+        reference=params.mode == "exact",
         timeout=timeout,
     )
 
@@ -244,7 +244,7 @@ class Engine:
         is given when it starts: a bad request ends here, with its error as its event."""
         if self._gone(request, time.monotonic()):
             return
-        if request.global_rng:
+        if request.reference:
             request._rng_state = self._rng_state()  # seeded (or not) by the program, then kept apart
         self._active.append(request)
         self._advance(request, None)
@@ -334,9 +334,9 @@ class Engine:
                     self._answer_one(group[0])
         self._active = [r for r in self._active if r._call is not None]
         denoising = [r for r in self._active if isinstance(r._call, DenoiseCall)]
-        fast = [r for r in denoising if not r._call.exact]
+        fast = [r for r in denoising if not r.reference]
         groups = [fast] if fast else []
-        groups += [[r] for r in denoising if r._call.exact]
+        groups += [[r] for r in denoising if r.reference]
         if groups:
             self.stats.last_batch_size = len(self._active)  # requests denoised this step
         for group in groups:
@@ -351,7 +351,7 @@ class Engine:
         groups: dict[tuple, list[EngineRequest]] = {}
         for r in waiting:
             c = r._call
-            alike = isinstance(c, EncodeCall) and not c.exact and c.pixels is None and type(c.cache) is KVCache
+            alike = isinstance(c, EncodeCall) and not r.reference and c.pixels is None and type(c.cache) is KVCache
             if self.batch_encodes and alike:
                 key = (c.is_generated, c.cache.length, c.ids.shape[1], c.attention_mask is None)
             else:
@@ -382,12 +382,15 @@ class Engine:
     def _answer_one(self, request: EngineRequest) -> None:
         """Run the call (not a denoising pass) `request` waits on, alone, and resume it to its next call."""
         try:
-            reply = answer(self.runner, request._call)
+            reply = answer(self._runner_of(request), request._call)
         except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
             self._fail([request], e)
             return
         self.stats.encode_passes += isinstance(request._call, EncodeCall)
         self._advance(request, reply)
+
+    def _runner_of(self, request: EngineRequest) -> Runner:
+        return self.runner.reference if request.reference else self.runner
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""
@@ -403,8 +406,9 @@ class Engine:
         cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
         signal = torch.cat(embeds) if embeds else None
         try:
-            out = self._logits.rows(tokens.shape) if self.runner.writes_in_place(calls[0].exact) else None
-            logits = self.runner.denoise(tokens, cache, signal, exact=calls[0].exact, out=out)
+            runner = self._runner_of(group[0])
+            out = self._logits.rows(tokens.shape) if runner.writes_in_place() else None
+            logits = runner.denoise(tokens, cache, signal, out=out)
         except Exception as e:
             self._fail(group, e)
             return

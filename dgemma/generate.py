@@ -352,11 +352,10 @@ def start(model: DiffusionGemma | Runner, request: Request, cache: KVCache | Non
     cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if r.pins is None else r.pins.shape[1]), cache)
     pins = None if r.pins is None else r.pins.to(model.device)
     allowed = None if r.allowed is None else r.allowed.to(model.device)
-    exact = p.mode == "exact"
-    encode = EncodeCall(ids, cache, mask, r.pixels, exact=exact)
+    encode = EncodeCall(ids, cache, mask, r.pixels)
     pad_id = (model.text_config.pad_token_id or 0) if pad_id is None else pad_id  # what commits pad with
     out = Output(ids.shape[0], p, [len(row) for row in r.rows], pad_id, model.device, t0)
-    if exact:
+    if p.mode == "exact":
         return reference_program(model, cache, p, encode, out, r.step_stats)
     return _Loop(runner, cache, p, pins, out, allowed, r.logprobs, r.step_stats, encode).run()
 
@@ -367,6 +366,12 @@ def prepare(
     """`start(make_request(...))`: check the request and return its program (`model`: a DiffusionGemma or
     a Runner, dgemma/runtime/runner.py). `stream` is this plus a driver; a server drives many at once."""
     return start(model, make_request(model, prompt, params, **kwargs), cache)
+
+
+def runner_for(model: DiffusionGemma | Runner, request: Request) -> Runner:
+    """What answers a request's model calls: the reference modules for mode "exact", else `model`'s."""
+    runner = as_runner(model)
+    return runner.reference if request.params.mode == "exact" else runner
 
 
 def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
@@ -427,9 +432,10 @@ def stream(
     (these three, like the SamplingParams fields, go to `prepare`).
     """
     runner = as_runner(model)
-    kw = dict(tokenizer=tokenizer, pins=pins, allowed=allowed, logprobs=logprobs, cache=cache)
-    loop = prepare(runner, prompt, params, **kw, **overrides)
-    for event in drive(runner, loop):
+    request = make_request(
+        runner, prompt, params, tokenizer=tokenizer, pins=pins, allowed=allowed, logprobs=logprobs, **overrides
+    )
+    for event in drive(runner_for(runner, request), start(runner, request, cache)):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event

@@ -10,9 +10,9 @@ program of model calls (dgemma/calls.py) of its own.
             a row stops once its argmax canvas is stable and confident (it then keeps its state)
         commit the argmax canvas (pad after a stop token) through encode
 
-Every row is denoised until all have stopped, and the seed seeds the global generator. Its calls ask for
-the reference modules (`exact=True`), so its numbers are transformers' whatever runner answers them; the
-fast loop (dgemma/generate.py) computes the same distribution with less work and has none of this.
+Every row is denoised until all have stopped, and the seed seeds the global generator. Its driver answers
+its calls on the reference modules (`Runner.reference`), so its numbers are transformers'; the fast loop
+(dgemma/generate.py) computes the same distribution with less work and has none of this.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def reference_program(
         finished = finished | hit_stop
         if all(out.finished(r) for r in range(b)) or k == math.ceil(p.max_new_tokens / c) - 1:
             break
-        yield EncodeCall(seq, cache, is_generated=True, exact=True)
+        yield EncodeCall(seq, cache, is_generated=True)
     yield DoneEvent(out.result(torch.cat(sequences, dim=1)))
 
 
@@ -74,7 +74,7 @@ def _canvas(model: DiffusionGemma, cache, p, temperatures, k: int, finished, out
         steps += counted
         # the reference embeds its processed logits inside its forward; the same function, here
         sc = None if processed is None else model.soft_embedding(processed)
-        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc, exact=True)
+        logits = yield DenoiseCall(tokens, cache, self_conditioning=sc)
         now = logits / temperatures[step]
         t = reference_transition(now, tokens, p.entropy_bound)
         new_tokens, new_argmax, entropy = t.tokens, t.argmax, t.entropy

@@ -211,12 +211,12 @@ def test_a_committed_canvas_holding_the_placeholder_matches_transformers(pair, t
     tol_hidden = fp32_tolerance(ref_hidden.abs().max().item(), text.hidden_size, depth)
     tol = fp32_logit_tolerance(model)
     outputs = []
-    for runner, exact in ((model, True), (dgemma.accelerate(model), False)):
+    for runner in (model, dgemma.accelerate(model)):
         cache = model.new_cache(1, ids.shape[1] + 2 * c)
         dgemma.Runner(model).encode(ids, cache, pixels=pixels)  # the prompt, on the reference modules
         run = as_runner(runner)
-        hidden = run.encode(committed, cache, exact=exact, is_generated=True).hidden_states
-        outputs.append((hidden, run.denoise(canvas, cache, exact=exact)))
+        hidden = run.encode(committed, cache, is_generated=True).hidden_states
+        outputs.append((hidden, run.denoise(canvas, cache)))
     (hidden, logits), (fast_hidden, fast_logits) = outputs
     torch.testing.assert_close(hidden, ref_hidden, rtol=0, atol=tol_hidden)
     torch.testing.assert_close(logits, ref, rtol=0, atol=tol)

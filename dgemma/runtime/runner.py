@@ -7,10 +7,9 @@
 A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
 over the same weights with the fast modules swapped in (dgemma/runtime/fast.py), whose denoising pass it may
 compile (its text encodes, and a toy's sampler statistics, too) or replay from captured CUDA graphs
-(dgemma/runtime/graphs.py). Which one runs is the request's sampler mode: `exact` requests always run the
-reference modules eagerly, so they keep transformers' numbers on any runner; `fast` requests run the
-twin. A bare model passed where a runner goes is `Runner(model)`: the reference modules for every
-request.
+(dgemma/runtime/graphs.py). A bare model passed where a runner goes is `Runner(model)`: the reference
+modules, eagerly. Exact-mode requests are answered by `runner.reference` (that Runner), so they keep
+transformers' numbers whatever runner serves them.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from .graphs import GraphedDenoise
 
 
 class Runner:
-    """Runs `encode` / `denoise` for generation: the reference modules for exact mode, the fast twin (if
-    any) for fast mode. `compile` applies to the twin's denoising and text encoding passes (and, on a
+    """Runs `encode` / `denoise` for generation: on the fast twin if it has one, else on the reference
+    modules. `compile` applies to the twin's denoising and text encoding passes (and, on a
     CPU, to the sampler's statistics where the vocabulary is one chunk: `canvas_stats`), `graphs`
     (default: on CUDA when the step can be captured) to its denoising pass; `grouped` to its experts
     (see dgemma.runtime.fast.fast_twin)."""
@@ -54,6 +53,7 @@ class Runner:
         self._fast_denoise = None if self.fast is None else self.fast.denoise
         self._fast_encode = None if self.fast is None else self.fast.encode
         self._canvas_stats = canvas_stats
+        self._reference = None if fast else self
         if self.compiled:
             # Experts that loop over a data-dependent split break the graph once per layer; allow one
             # compiled variant per layer instead of falling back to eager after the default 8.
@@ -95,9 +95,12 @@ class Runner:
         """`DiffusionGemma.new_cache`."""
         return self.model.new_cache(batch_size, max_length, **kwargs)
 
-    def modules_for(self, exact: bool) -> DiffusionGemma:
-        """The model whose modules run a request: the reference for exact mode (or with no twin), else the twin."""
-        return self.model if exact or self.fast is None else self.fast
+    @property
+    def reference(self) -> Runner:
+        """The Runner of the reference modules (this one if it has no twin): what exact mode runs on."""
+        if self._reference is None:
+            self._reference = Runner(self.model)
+        return self._reference
 
     def encode(
         self,
@@ -106,17 +109,16 @@ class Runner:
         attention_mask: torch.Tensor | None = None,
         *,
         return_logits: bool = False,
-        exact: bool = False,
         pixels=None,
         is_generated: bool = False,
     ) -> EncodeOutput:
-        """`DiffusionGemma.encode` on the modules for `exact` (`is_generated`: a commit of generated tokens,
+        """`DiffusionGemma.encode` (`is_generated`: a commit of generated tokens,
         which may hold the image placeholder id); with `compile`, the twin's text encodes (prompts and
         commits) run compiled: dynamo recompiles once their lengths vary, then treats them as dynamic, and
         the id check runs eagerly. Encodes with images run eagerly."""
         kw = dict(return_logits=return_logits, is_generated=is_generated)
-        if exact or self._fast_encode is None or pixels is not None:
-            return self.modules_for(exact).encode(input_ids, cache, attention_mask, pixels=pixels, **kw)
+        if self._fast_encode is None or pixels is not None:
+            return (self.fast or self.model).encode(input_ids, cache, attention_mask, pixels=pixels, **kw)
         return self._fast_encode(input_ids, cache, attention_mask, **kw)
 
     def denoise(
@@ -125,12 +127,11 @@ class Runner:
         cache: DenoiseCache,
         self_conditioning: torch.Tensor | None = None,
         *,
-        exact: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`DiffusionGemma.denoise`: the reference's for exact mode, else the twin's (compiled or graphed);
+        """`DiffusionGemma.denoise`: the twin's (compiled or graphed) if there is one, else the reference's;
         the logits are written into `out` if given."""
-        if exact or self._fast_denoise is None:
+        if self._fast_denoise is None:
             return self.model.denoise(canvas_ids, cache, self_conditioning, out=out)
         return self._fast_denoise(canvas_ids, cache, self_conditioning, out=out)
 
@@ -146,11 +147,11 @@ class Runner:
             return self._canvas_stats(logits, embedding, embed_scale)
         return canvas_stats(logits, embedding, embed_scale)
 
-    def writes_in_place(self, exact: bool) -> bool:
-        """Whether `denoise(..., out=)` writes the logits straight into `out` for this mode (the fast twin's
-        LM head), so that a caller's reused buffer saves an allocation; the reference modules copy them
-        there, which would only add a copy."""
-        return not exact and self.fast is not None
+    def writes_in_place(self) -> bool:
+        """Whether `denoise(..., out=)` writes the logits straight into `out` (the fast twin's LM head), so
+        that a caller's reused buffer saves an allocation; the reference modules copy them there, which
+        would only add a copy."""
+        return self.fast is not None
 
     def release(self) -> None:
         """Drop the captured CUDA graphs and their buffers (they are recorded again when needed)."""
@@ -160,7 +161,7 @@ class Runner:
     def __repr__(self) -> str:
         kernels = "reference" if self.fast is None else "fast"
         head = f"Runner(kernels={kernels}, compile={self.compiled}, graphs={self.graphs is not None})"
-        return f"{head}\n{self.modules_for(exact=False)}"
+        return f"{head}\n{self.fast or self.model}"
 
 
 def accelerate(

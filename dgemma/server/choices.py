@@ -94,7 +94,7 @@ def submit(
     reasoning: bool,
     prompt_tokens: list[int],
     want_drafts: bool = False,
-    global_rng: bool = False,
+    reference: bool = False,
     timeout: float | None = None,
 ) -> list[Choice]:
     """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i), its
@@ -105,7 +105,7 @@ def submit(
     for j in range(prompts):
         for i in range(n):
             program = build(j, None if seed is None else (seed + i) % 2**63)
-            given = dict(want_drafts=want_drafts, global_rng=global_rng, timeout=timeout)
+            given = dict(want_drafts=want_drafts, reference=reference, timeout=timeout)
             req = EngineRequest(program, prompt_tokens=prompt_tokens[j], **given)
             try:
                 _submit(engine, req, loop)

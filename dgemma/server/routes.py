@@ -146,7 +146,7 @@ def _submit(served: Served, body, build, params, prompt_tokens: list[int], stops
     want_drafts = body.include_drafts and body.stream
     return runs.submit(
         served.engine, len(prompt_tokens), body.n, build, seed=params.seed, stops=stops, reasoning=reasoning,
-        prompt_tokens=prompt_tokens, want_drafts=want_drafts, global_rng=params.mode == "exact",
+        prompt_tokens=prompt_tokens, want_drafts=want_drafts, reference=params.mode == "exact",
         timeout=served.request_timeout,
     )  # fmt: skip
 
