@@ -11,7 +11,7 @@ best of `--repeats`.
 Without --model it runs the `small` preset with random weights (73M parameters): the figures measure the
 engine's scheduling, not text. Prints a table and ends with one JSON line.
 
-    python benchmarks/batched_encodes.py [--model DIR] [--requests 16] [--prompt 512] [--repeats 2]
+    python benchmarks/batched_encodes.py [--model DIR] [--requests 16] [--prompt 512] [--repeats 2] [--device cuda]
 """
 
 from __future__ import annotations
@@ -71,13 +71,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per canvas")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.model:
         import dgemma
 
-        model = dgemma.load(args.model)
+        model = dgemma.load(args.model, device=args.device)
     else:
-        model = random_model("small", device="cpu", dtype=torch.float32)
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model = random_model("small", device=args.device, dtype=dtype)
     runner = accelerate(model)
     g = torch.Generator().manual_seed(0)
     vocab = model.text_config.vocab_size

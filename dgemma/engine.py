@@ -403,10 +403,11 @@ class Engine:
             elif len(calls) > 1:  # the first step in a batch: an exactly-zero signal
                 embeds.append(torch.zeros(*call.tokens.shape, m, dtype=self.model.dtype, device=self.model.device))
         tokens = torch.cat([c.tokens for c in calls])
-        cache = calls[0].cache if len(calls) == 1 else StackedCache([c.cache for c in calls])
+        runner = self._runner_of(group[0])
+        alone = len(calls) == 1 and runner.graphs is None  # a graphed runner serves batches of any size alike
+        cache = calls[0].cache if alone else StackedCache([c.cache for c in calls])
         signal = torch.cat(embeds) if embeds else None
         try:
-            runner = self._runner_of(group[0])
             out = self._logits.rows(tokens.shape) if runner.writes_in_place() else None
             logits = runner.denoise(tokens, cache, signal, out=out)
         except Exception as e:

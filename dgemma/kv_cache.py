@@ -81,6 +81,7 @@ class KVCache:
         self.row_index: torch.Tensor | None = None  # set on read-only row views (see rows())
         self._read_only = False  # row and prefix views
         self._denoise_memo: tuple | None = None  # (key, result) of prepare_denoise while the cache is unchanged
+        self.version = 0  # counts writes and resets: a copy of the cache taken at one version is still its content
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +95,7 @@ class KVCache:
         self.length = 0
         self.has_padding = False
         self._denoise_memo = None
+        self.version += 1
         self.valid.zero_()
 
     def rows(self, index: torch.Tensor) -> KVCache:
@@ -159,6 +161,7 @@ class KVCache:
         self.check_batch(batch_size)
         assert not self._read_only, "a view of the cache is read-only"
         self._denoise_memo = None
+        self.version += 1
         start, end = self.length, self.length + num_tokens
         if end > self.max_length:
             raise ValueError(
