@@ -13,8 +13,8 @@ and one that waited in the queue is dropped before its prompt is encoded; `drain
 shutdown).
 
 Each request gets the random draws it would get alone for its seed: fast mode draws from the request's
-own generator, and exact mode (which, like the reference, draws from torch's global generator) runs each
-of its steps with that request's own saved global generator state. Fast requests are denoised together on
+own generator, and exact mode (which, like the reference, draws from torch's global generator) runs with
+a global generator state of its own (`reference.own_global_rng`). Fast requests are denoised together on
 the runner's fast modules; their tokens are the same as alone up to the rounding of the batched forward
 pass (stacked caches of other lengths take other kernels: on random weights a last-bit difference can grow
 over many steps and change a token; tests/test_engine.py). Exact requests are denoised one by one on the
@@ -27,7 +27,6 @@ which the web layer reads; a request may hold several rows (an infill's lengths)
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import queue
 import threading
@@ -43,6 +42,7 @@ from .generate import DraftEvent, GenerationResult, SamplingParams
 from .kv_cache import EncodeStack, KVCache, StackedCache
 from .model import DiffusionGemma
 from .programs import generate_program
+from .reference import own_global_rng
 from .runtime.runner import Runner, as_runner
 
 
@@ -65,7 +65,7 @@ class EngineRequest:
     program: Generator  # events and model calls, a DoneEvent last
     prompt_tokens: int = 0  # the prefill work it brings (the waiting queue is bounded in these)
     want_drafts: bool = False
-    reference: bool = False  # exact mode: run on the reference modules, drawing from its own global generator state
+    reference: bool = False  # exact mode: run alone on the reference modules, with a global RNG state of its own
     timeout: float | None = None  # seconds from submission
     id: int = field(default_factory=itertools.count().__next__)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -73,7 +73,10 @@ class EngineRequest:
     submitted: float = field(default_factory=time.monotonic)
     # engine side
     _call: ModelCall | None = None  # the model call its program waits on
-    _rng_state: tuple | None = None  # exact mode: this request's own global generator state
+
+    def __post_init__(self):
+        if self.reference:
+            self.program = own_global_rng(self.program)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -244,40 +247,11 @@ class Engine:
         is given when it starts: a bad request ends here, with its error as its event."""
         if self._gone(request, time.monotonic()):
             return
-        if request.reference:
-            request._rng_state = self._rng_state()  # seeded (or not) by the program, then kept apart
         self._active.append(request)
         self._advance(request, None)
 
-    def _rng_state(self) -> tuple:
-        cuda = self.model.device.type == "cuda"
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.model.device) if cuda else None
-
-    def _set_rng_state(self, state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], self.model.device)
-
-    @contextlib.contextmanager
-    def _own_rng(self, request: EngineRequest):
-        """Exact mode draws from the global generator: run the request with its own saved state."""
-        if request._rng_state is None:  # fast mode: its own torch.Generator
-            yield
-            return
-        saved = self._rng_state()
-        self._set_rng_state(request._rng_state)
-        try:
-            yield
-        finally:
-            request._rng_state = self._rng_state()
-            self._set_rng_state(saved)
-
     def _advance(self, request: EngineRequest, reply) -> None:
-        """Resume a request's loop with `reply` until its next model call (or its end)."""
-        with self._own_rng(request):
-            self._resume(request, reply)
-
-    def _resume(self, request: EngineRequest, reply) -> None:
+        """Resume a request's program with `reply` until its next model call (or its end)."""
         try:
             while True:
                 item = request.program.send(reply)

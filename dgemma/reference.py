@@ -90,3 +90,34 @@ def _canvas(model: DiffusionGemma, cache, p, temperatures, k: int, finished, out
         if bool(done.all()):
             break
     return argmax, steps, done
+
+
+def own_global_rng(program):
+    """`program` with a global generator state of its own (a server runs many): the state at its start,
+    swapped in at each resume and out at each yield, so that requests never draw from each other's."""
+    state, reply = _global_rng(), None
+    while True:
+        outer = _global_rng()
+        _set_global_rng(state)
+        try:
+            item = program.send(reply)
+        except StopIteration:
+            return
+        finally:
+            state = _global_rng()
+            _set_global_rng(outer)
+        try:
+            reply = yield item
+        except GeneratorExit:
+            program.close()
+            raise
+
+
+def _global_rng() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_global_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
