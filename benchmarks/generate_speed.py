@@ -15,20 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
 from _measure import add_glibc_defaults_flag, keep_glibc_defaults, matmul_gflops, peak_tensor_mb
+from helpers import TINY_VISION, load_quiet
 
 import dgemma
 from dgemma import accelerate
 from dgemma.ar import generate_ar
 from dgemma.bench import step_flops
 from dgemma.presets import preset
-from dgemma.testing import TINY_VISION, load_quiet
 
 SIZES = {
     # preset, canvas length, denoising steps per canvas, prompt length, canvases, repeats

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
+from helpers import model_sharing_oracle_weights, oracle_from_config
+
 from dgemma import accelerate
 from dgemma.config import DiffusionGemmaConfig
 from dgemma.presets import preset
-from dgemma.testing import model_sharing_oracle_weights, oracle_from_config
 
 
 def cut(config: DiffusionGemmaConfig, layers: int) -> DiffusionGemmaConfig:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
 from dgemma import accelerate
 from dgemma.bench import machine_peaks, random_model, run_bench
 from dgemma.presets import preset
@@ -202,7 +203,7 @@ def main() -> None:
         import transformers
 
         results["transformers"] = transformers.__version__
-        from dgemma.testing import model_sharing_oracle_weights, oracle_from_config
+        from helpers import model_sharing_oracle_weights, oracle_from_config
 
         def build_pair():
             nonlocal model, oracle

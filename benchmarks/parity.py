@@ -5,7 +5,7 @@ For each size (tiny: 6 layers, 4 experts top-2; medium: 12 layers, 16 experts to
 second canvas after a commit, batch of 2 with left padding), prints the maximum absolute difference of
 encoder hidden states, KV cache and denoise logits (with and without self-conditioning).
 
-fp32 is held to `dgemma.testing.fp32_tolerance` (fp32 rounding at the logits' scale, grown with the
+fp32 is held to `tests/helpers.fp32_tolerance` (fp32 rounding at the logits' scale, grown with the
 depth; hidden states and KV at their own scale), the bound the tests use. The "1-ulp" column is the scale
 of fp32 rounding noise on that model: how far the logits move when every dgemma weight is moved by one
 ulp. bf16 rows also give each model's distance from the fp32 oracle. Ends with one JSON line.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import warnings
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dgemma.testing import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
+from helpers import (
     MEDIUM_TEXT,
     dense_checkpoint_from_oracle,
     fp32_tolerances,

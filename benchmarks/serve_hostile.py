@@ -241,9 +241,9 @@ SETTLED_MARGIN_MB = 256
 def _vision_model_dir(root: Path) -> Path:
     """A random-weight `tiny` model with a tiny vision tower and a tokenizer with image tokens."""
     import torch
+    from helpers import TINY_IMAGE_IDS, TINY_VISION, make_tokenizer
 
     import dgemma
-    from dgemma.testing import TINY_IMAGE_IDS, TINY_VISION, make_tokenizer
 
     config = dgemma.preset("tiny")
     config.vision_config = dict(TINY_VISION)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -40,9 +42,9 @@ def _free_port() -> int:
 def _toy_model_dir(root: Path) -> Path:
     """A random-weight `tiny` model with a BPE tokenizer, saved as a checkpoint directory."""
     import torch
+    from helpers import make_tokenizer
 
     import dgemma
-    from dgemma.testing import make_tokenizer
 
     torch.manual_seed(0)
     model = dgemma.build(dgemma.preset("tiny"))

@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-
-from dgemma.testing import make_oracle_checkpoint
+from helpers import make_oracle_checkpoint
 
 # 2 threads (the CI machine's cores); DGEMMA_TEST_THREADS=1 when something else (a training run) holds a
 # core: oversubscribed OpenMP threads spin and make every small op ~100x slower.
@@ -38,7 +37,7 @@ def model_dir(moe_ckpt, tmp_path_factory):
     """The tiny MoE checkpoint with a tokenizer (chat template included), as a server would load it."""
     import shutil
 
-    from dgemma.testing import make_tokenizer
+    from helpers import make_tokenizer
 
     d = tmp_path_factory.mktemp("served") / "tiny-model"
     shutil.copytree(moe_ckpt[0], d)
@@ -50,11 +49,11 @@ def model_dir(moe_ckpt, tmp_path_factory):
 def server(model_dir):
     """A live server (API key `live_server.KEY`) on the tiny checkpoint, shared by the HTTP tests."""
     pytest.importorskip("uvicorn")
+    from helpers import load_quiet
     from live_server import KEY, LiveServer
 
     from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
-    from dgemma.testing import load_quiet
 
     app = create_app(
         load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", api_key=KEY, max_batch=4, max_queue=8
@@ -66,7 +65,7 @@ def server(model_dir):
 @pytest.fixture(scope="session")
 def vision_dir(tmp_path_factory):
     """A tiny checkpoint with a vision tower (image blocks bidirectional) and a tokenizer with image tokens."""
-    from dgemma.testing import make_tokenizer
+    from helpers import make_tokenizer
 
     path = tmp_path_factory.mktemp("vision") / "ckpt"
     make_oracle_checkpoint(path, images=True, seed=5)

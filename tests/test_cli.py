@@ -39,7 +39,7 @@ def test_console_script_help():
 
 import io  # noqa: E402
 
-from dgemma.testing import make_tokenizer  # noqa: E402
+from helpers import make_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import re
 
 import pytest
 import torch
+from helpers import fp32_logit_tolerance
 from safetensors.torch import load_file, save_file
 
 import dgemma
 from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, dequantize
-from dgemma.testing import fp32_logit_tolerance
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -386,9 +386,9 @@ def test_exports_refuse_what_compressed_tensors_cannot_hold(source, tmp_path):
 
 def test_the_quantize_command_writes_what_vllm_serves(source, tmp_path, capsys):
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+    from helpers import make_tokenizer
 
     from dgemma.cli import main
-    from dgemma.testing import make_tokenizer
 
     make_tokenizer(512).save(tmp_path / "src")
     for f in source.iterdir():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_quiet
 
 from dgemma import fill, generate
 from dgemma.constraints import Allowed, as_allowed
 from dgemma.sampling import canvas_stats, restrict
-from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from helpers import make_tokenizer
 
 import dgemma
 from dgemma.cli import main
 from dgemma.cli.demo import CODE_MODEL_DIR
 from dgemma.tasks import sudoku
-from dgemma.testing import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers import load_quiet
 
 from dgemma import edit, fill, infill
 from dgemma.editing import (
@@ -16,7 +17,6 @@ from dgemma.editing import (
     infill_template,
     max_middle_length,
 )
-from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=3, seed=0)
 EOS = 1  # the tiny checkpoint's end-of-text token
@@ -162,7 +162,7 @@ def test_edit_rewrites_only_the_span(model):
 
 
 def test_text_api_with_tokenizer(model, tmp_path):
-    from dgemma.testing import make_tokenizer
+    from helpers import make_tokenizer
 
     tok = make_tokenizer(512)
     r = infill(model, "def f(x):\n    ", "\n    return y", 4, tokenizer=tok, **KW)

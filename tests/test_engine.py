@@ -20,10 +20,10 @@ import time
 
 import pytest
 import torch
+from helpers import load_quiet
 
 from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
 from dgemma.generate import DoneEvent, DraftEvent, generate
-from dgemma.testing import load_quiet
 
 WAIT = 120  # seconds to wait for an event: a generous bound for a loaded 2-core machine
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_quiet
 
 import dgemma
 import dgemma.runtime.fast as fast
 from dgemma import Runner, build, preset
 from dgemma.calls import DoneEvent
-from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_quiet
 
 
 @pytest.fixture()

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from helpers import load_quiet, make_copy_model
 
 from dgemma import SamplingParams
 from dgemma.ar import generate_ar
 from dgemma.generate import DoneEvent, DraftEvent, TokensEvent, generate, left_pad, stream
 from dgemma.session import Session
-from dgemma.testing import load_quiet, make_copy_model
 
 EOS = 1
 

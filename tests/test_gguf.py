@@ -15,12 +15,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import make_tokenizer
 
 import dgemma
 from dgemma.checkpoints.gguf_file import write
 from dgemma.config import FULL, SLIDING, DiffusionGemmaConfig, TextConfig
 from dgemma.quant import QuantExperts, QuantLinear, dequantize
-from dgemma.testing import make_tokenizer
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402

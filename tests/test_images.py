@@ -77,7 +77,7 @@ def test_chat_prompt_cuts_images_as_the_checkpoint_says():
     (Gemma 4's 16 and 3 without one)."""
     from types import SimpleNamespace
 
-    from dgemma.testing import TINY_IMAGE_IDS, make_tokenizer
+    from helpers import TINY_IMAGE_IDS, make_tokenizer
 
     tok = make_tokenizer(images=True)
     picture = _picture(333, 517, seed=5)
@@ -155,9 +155,8 @@ def test_chat_prompt_places_images_as_the_gemma4_processor_does():
     and counts (Gemma4Processor.replace_image_token on its Pillow processor's output)."""
     from types import SimpleNamespace
 
+    from helpers import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
     from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
-
-    from dgemma.testing import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
 
     tok = make_tokenizer(images=True)
     config = SimpleNamespace(**TINY_IMAGE_IDS)
@@ -187,9 +186,8 @@ def test_video_frames_are_laid_out_as_the_gemma4_processor_does():
     DiffusionGemma has no video token."""
     from types import SimpleNamespace
 
+    from helpers import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
     from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
-
-    from dgemma.testing import IMAGE_TOKENS, TINY_IMAGE_IDS, make_tokenizer
 
     frames = [_picture(320, 240, seed=k) for k in range(3)]
     fps = 0.5
@@ -220,7 +218,7 @@ def second_geometry(tmp_path_factory):
     """A tiny checkpoint (and its transformers oracle) whose tower cuts 14-pixel patches pooled 2 x 2."""
     from unittest import mock
 
-    from dgemma import testing
+    import helpers as testing
 
     path = tmp_path_factory.mktemp("geometry") / "ckpt"
     with mock.patch.dict(testing.TINY_VISION, SECOND):
@@ -237,11 +235,11 @@ def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
     run on it."""
     import json
 
+    from helpers import fp32_logit_tolerance, load_quiet, oracle_image_encode
     from transformers.cache_utils import DynamicCache
 
     import dgemma
     from dgemma.cli import main
-    from dgemma.testing import fp32_logit_tolerance, load_quiet, oracle_image_encode
 
     path, oracle = second_geometry
     model, tok = load_quiet(path, dtype="fp32"), dgemma.Tokenizer.from_dir(path)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fp32_tolerances, load_quiet
 
 from dgemma import KVCache, build, preset
-from dgemma.testing import fp32_tolerances, load_quiet
 
 
 @pytest.fixture(scope="module")

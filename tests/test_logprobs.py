@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import load_quiet
 from live_server import KEY
 
 import dgemma
@@ -15,7 +16,6 @@ from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, answer
 from dgemma.editing import canvas_logprobs, continuation_logprobs, prompt_logprobs
 from dgemma.generate import prepare
 from dgemma.runtime.runner import as_runner
-from dgemma.testing import load_quiet
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from dgemma.testing import (
+from helpers import (
     MEDIUM_TEXT,
     PARITY_SCENARIOS,
     dense_checkpoint_from_oracle,

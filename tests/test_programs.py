@@ -7,6 +7,7 @@ that with margin), scores from a batched denoising pass to 1e-4 (fp32 rounding o
 from __future__ import annotations
 
 import pytest
+from helpers import load_quiet
 
 from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, run
 from dgemma.checkpoints.tokenizer import Tokenizer
@@ -28,7 +29,6 @@ from dgemma.programs import (
 )
 from dgemma.runtime.runner import Runner
 from dgemma.structured import JsonResult
-from dgemma.testing import load_quiet
 
 WAIT = 120
 SCHEMA = {

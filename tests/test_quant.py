@@ -173,8 +173,9 @@ def test_codes_of_another_dtype_than_the_quantization_block_says_are_refused(che
 
 
 def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, capsys):
+    from helpers import make_tokenizer
+
     from dgemma.cli import main
-    from dgemma.testing import make_tokenizer
 
     src = tmp_path / "src"
     config = dgemma.preset("tiny")

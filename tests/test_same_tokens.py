@@ -7,10 +7,10 @@ import json
 
 import httpx
 import pytest
+from helpers import load_quiet
 
 import dgemma
 from dgemma.checkpoints.tokenizer import Tokenizer
-from dgemma.testing import load_quiet
 
 pytest.importorskip("uvicorn")
 from live_server import KEY

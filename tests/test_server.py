@@ -7,8 +7,7 @@ import time
 
 import httpx
 import pytest
-
-from dgemma.testing import load_quiet
+from helpers import load_quiet
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

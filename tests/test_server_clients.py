@@ -120,9 +120,10 @@ def test_docs_load_nothing_from_outside(server):
 
 
 def test_the_host_check_takes_only_a_host_and_a_port(model_dir):
+    from helpers import load_quiet
+
     from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.server.app import create_app
-    from dgemma.testing import load_quiet
 
     app = create_app(load_quiet(model_dir), Tokenizer.from_dir(model_dir), model_name="tiny", check_host=True)
     with LiveServer(app) as live:

@@ -120,8 +120,9 @@ def test_infilling_returns_the_middle_and_streams(server, client):
 def test_infilling_without_max_tokens_chooses_the_length_as_dgemma_infill_does(server, model_dir):
     """No max_tokens: the middle's length is chosen among 2, 4, ... by the model's score, on the engine, by
     the very code dgemma.infill runs: the same middle, length and scores as the Python API."""
+    from helpers import load_quiet
+
     import dgemma
-    from dgemma.testing import load_quiet
 
     tok = dgemma.Tokenizer.from_dir(model_dir)
     prompt, suffix = "def f(x):", "return y"

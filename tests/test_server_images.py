@@ -134,9 +134,9 @@ def second_geometry(tmp_path_factory):
     """A live server on a tiny checkpoint whose tower cuts 14-pixel patches pooled 2 x 2, and its path."""
     from unittest import mock
 
+    import helpers as testing
     from live_server import LiveServer
 
-    from dgemma import testing
     from dgemma.server.app import create_app
 
     path = tmp_path_factory.mktemp("geometry") / "ckpt"

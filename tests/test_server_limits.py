@@ -14,8 +14,7 @@ import time
 
 import httpx
 import pytest
-
-from dgemma.testing import load_quiet
+from helpers import load_quiet
 
 pytest.importorskip("uvicorn")
 from live_server import KEY, LiveServer, _free_port

@@ -169,8 +169,9 @@ def test_chat_choices_answer_the_best_scored_option(client):
 
 
 def test_completion_choices_match_the_python_api(server, client, model_dir):
+    from helpers import load_quiet
+
     import dgemma
-    from dgemma.testing import load_quiet
 
     options = ["a b", "c", "d e f"]
     r = client.completions.create(model="tiny", prompt=["x y", "z"], echo=True, extra_body={"choices": options})

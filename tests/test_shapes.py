@@ -90,7 +90,7 @@ def test_a_recipe_builds_a_vision_tower_on_a_preset(tmp_path):
     model, _ = build_model(cfg, torch.device("cpu"))
     assert model.vision_tower is not None and model.text_config.use_bidirectional_attention == "vision"
     assert model.config.image_token_id == tok.token_to_id("<|image|>")
-    from dgemma.testing import make_tokenizer
+    from helpers import make_tokenizer
 
     make_tokenizer().save(tmp_path / "plain")
     cfg.data.tokenizer = str(tmp_path / "plain")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import make_tokenizer
 
 from dgemma import Tokenizer
-from dgemma.testing import make_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a haiku about rain."}],

@@ -10,10 +10,10 @@ import random
 import jsonschema
 import openai
 import pytest
+from helpers import TEMPLATE_PATH
 from live_server import KEY
 
 from dgemma.checkpoints.tokenizer import compile_chat_template
-from dgemma.testing import TEMPLATE_PATH
 from dgemma.tool_calls import Unparsed, call_text, parse_arguments, parse_tool_calls
 
 Q = '<|"|>'
@@ -180,10 +180,11 @@ def test_the_shipped_models_carry_the_template():
 
 
 def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
+    from helpers import load_quiet
+
     from dgemma.checkpoints.tokenizer import Tokenizer
     from dgemma.programs import read_answer
     from dgemma.structured import tool_call_plan
-    from dgemma.testing import load_quiet
 
     model, tok = load_quiet(model_dir), Tokenizer.from_dir(model_dir)
     plan = tool_call_plan(model, tok, "get_weather", WEATHER["function"]["parameters"])

@@ -124,8 +124,9 @@ def test_rank_statistics_agree_with_scipy_and_sklearn():
 
 
 def test_a_traced_generation_returns_the_untraced_tokens_and_saves_both_ways(tmp_path, model_dir):
+    from helpers import load_quiet
+
     from dgemma.checkpoints.tokenizer import Tokenizer
-    from dgemma.testing import load_quiet
 
     model, tok = load_quiet(model_dir), Tokenizer.from_dir(model_dir)
     kw = dict(seed=3, max_new_tokens=40, max_denoising_steps=6)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fp32_logit_tolerance, load_quiet, make_tokenizer
 
 import dgemma
-from dgemma.testing import fp32_logit_tolerance, load_quiet, make_tokenizer
 from dgemma.train.config import TrainConfig
 from dgemma.train.data import DataError, Example, batch_indices, load_jsonl
 from dgemma.train.lora import apply_lora, load_adapter

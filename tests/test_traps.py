@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 from dgemma import build, preset
 from dgemma.config import FULL, SLIDING
 from dgemma.model import Router, embed_scale, rope_inv_freq
-from dgemma.testing import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 
 @pytest.fixture(scope="module")

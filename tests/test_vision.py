@@ -10,11 +10,7 @@ import contextlib
 
 import pytest
 import torch
-
-import dgemma
-from dgemma.generate import left_pad
-from dgemma.runtime.runner import as_runner
-from dgemma.testing import (
+from helpers import (
     TINY_IMAGE_IDS,
     fp32_logit_tolerance,
     fp32_tolerance,
@@ -23,6 +19,10 @@ from dgemma.testing import (
     oracle_image_encode,
     random_pixels,
 )
+
+import dgemma
+from dgemma.generate import left_pad
+from dgemma.runtime.runner import as_runner
 
 pytest.importorskip("transformers")
 IMAGE, BOI, EOI = TINY_IMAGE_IDS["image_token_id"], TINY_IMAGE_IDS["boi_token_id"], TINY_IMAGE_IDS["eoi_token_id"]

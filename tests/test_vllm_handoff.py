@@ -190,8 +190,9 @@ def test_the_quantize_command_hands_off_to_vllm(wide, tmp_path, capsys):
     """`dgemma quantize --format compressed-tensors`: says which vLLM path each export takes, refuses
     group sizes Marlin lacks before reading anything, copies the processor files and chat template, and
     with --calibrate writes a W4A4 NVFP4 file the walk accepts."""
+    from helpers import make_tokenizer
+
     from dgemma.cli import main
-    from dgemma.testing import make_tokenizer
 
     src = tmp_path / "src"
     make_tokenizer(512).save(src)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fp32_tolerance, load_quiet
 from safetensors.torch import load_file, save_file
 
 import dgemma
-from dgemma.testing import fp32_tolerance, load_quiet
 
 
 def _copy(src: Path, dst: Path, edit=None) -> Path:

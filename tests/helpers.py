@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .checkpoints.tokenizer import IMAGE_TOKENS, SPECIAL_TOKENS, TEMPLATE_PATH, train_bpe  # noqa: F401 (the tests' names)
+from dgemma.checkpoints.tokenizer import IMAGE_TOKENS, SPECIAL_TOKENS, TEMPLATE_PATH, train_bpe  # noqa: F401 (the tests' names)
 
 TINY_VISION = dict(
     model_type="gemma4_vision",
@@ -32,7 +32,7 @@ def tiny_text_kwargs(**overrides: Any) -> dict[str, Any]:
     dgemma writes them to config.json (so every oracle checkpoint also checks that transformers reads it)."""
     import dataclasses
 
-    from .presets import preset
+    from dgemma.presets import preset
 
     text = dataclasses.replace(preset("tiny").text_config, layer_types=None, **overrides)
     kw = text.to_dict()
@@ -117,8 +117,8 @@ def oracle_from_config(config, *, device: str | torch.device = "cpu", dtype: tor
 def model_sharing_oracle_weights(oracle, config):
     """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
     side-by-side speed measurements of models too large to hold twice."""
-    from .checkpoints.names import ENC, hf_name
-    from .model import DiffusionGemma
+    from dgemma.checkpoints.names import ENC, hf_name
+    from dgemma.model import DiffusionGemma
 
     theirs = oracle.state_dict()
     with torch.device("meta"):
@@ -135,7 +135,7 @@ def load_quiet(path: str | Path, **kwargs: Any):
     """dgemma.load without the expected notice about the tiny vision tower of oracle checkpoints."""
     import warnings
 
-    from .checkpoints.weights import load
+    from dgemma.checkpoints.weights import load
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*vision tower.*")
@@ -368,7 +368,7 @@ def make_copy_model(model, sharpness: float = 10.0):
 def random_pixels(grids: list[tuple[int, int]], rows: int, seed: int = 0, patch_pixels: int = 768):
     """Random patches of images of (rows x columns) patch grids (multiples of 3), padded to `rows` patch
     rows each as the processor pads them: a vision.Pixels, and each image's soft-token count."""
-    from .vision import Pixels
+    from dgemma.vision import Pixels
 
     g = torch.Generator().manual_seed(seed)
     values = torch.zeros(len(grids), rows, patch_pixels)
