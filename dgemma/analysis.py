@@ -1,21 +1,9 @@
 """Statistics of traces (dgemma.tracing): the order in which canvases commit their tokens, and whether the
 confidence at commit says which tokens are right.
 
-- `left_to_right`: Spearman's rank correlation between a position and the step it was finalised, over
-  the content positions of each canvas: 1 is strictly left to right, 0 no order. At token granularity,
-  and at line and window granularity, where a unit's step is the mean of its tokens' (so the order
-  between units is measured, not within them).
-- `commit_sizes`: how many positions are finalised at each step, pooled over canvases; the share of a
-  canvas finalised in its largest step says whether commits come in large simultaneous batches.
-- `late_burst`: the share of positions finalised in the last k steps a canvas ran (before the stop
-  rule ended it), and how far inside the step budget that stop came.
-- `tokens_per_forward`: content tokens per denoising step.
-- `calibration`: given the right token at each position (where known), accuracy by bin of confidence at
-  commit, the expected calibration error, and AUROC of confidence as a predictor of being right.
-
-Spearman's rho and AUROC are written here (average ranks, the Mann-Whitney statistic: a few lines each)
-rather than taken from scipy or scikit-learn, which dgemma does not depend on; tests check them
-against scipy and scikit-learn.
+`left_to_right`, `commit_sizes`, `late_burst`, `tokens_per_forward` and `calibration`, gathered by `summary`;
+Spearman's rho and the AUROC are written here, so dgemma needs neither scipy nor scikit-learn. What each
+statistic means, and the study made with them: docs/commitment.md.
 """
 
 from __future__ import annotations

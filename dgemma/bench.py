@@ -1,20 +1,8 @@
 """Diffusion or autoregressive decoding, on this machine? Measurements behind `dgemma bench`.
 
-A denoising step processes a whole canvas (C tokens) in one forward; decoding autoregressively processes
-one token per forward. Where a forward costs about the same for 1 or C tokens (a GPU at batch 1, bound by
-reading the weights), a canvas that settles in S steps makes C tokens for S + 1 forwards, and diffusion
-wins by up to C / S. Where compute is the limit (a CPU), a step costs nearly C times a token and
-autoregressive decoding wins. This module measures, on the current device and weights:
-
-- prefill, time per denoising step (sampler included), the commit of a canvas, and tokens/s and time to
-  first token at several fixed steps per canvas (the adaptive stop switched off);
-- the same weights decoding greedily token by token (tokens/s, time to first token);
-- with trained weights, the steps per canvas the entropy-bound sampler actually takes on a prompt;
-- the crossover: steps per canvas below which diffusion is faster here, and a recommendation against the
-  steps a canvas takes: measured (the sampler, trained weights), given (`steps_per_canvas`), or, with
-  random weights, assumed (`assumed_steps_per_canvas`, and said to be an assumption);
-- limit accounting: bytes of weights (and KV cache) one step reads, FLOPs, and what that means in
-  achieved GB/s and FLOP/s next to this device's measured (and, for known GPUs, nominal) peaks.
+Times prefill, denoising at fixed steps per canvas and autoregressive decoding on the current device and
+weights, finds the crossover and recommends one, and accounts for the bytes and FLOPs a step costs against
+the device's peaks. What is measured and why: docs/speed.md.
 """
 
 from __future__ import annotations

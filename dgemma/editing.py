@@ -1,36 +1,6 @@
-"""Infilling, editing and templates: denoising with some canvas positions given and pinned. This module
-lays them out and checks them; their programs (and the public `fill`, `infill`, `edit`) are in
-dgemma/programs.py.
-
-All three are one mechanism. `fill(template)` generates a sequence in which the positions of the
-template that hold a token keep it (they are pinned: never renoised) and the holes (None) are generated
-with everything else in view, left and right. `infill(prefix, suffix)` is a template
-[middle holes | suffix | end-of-text fill] after the prefix; `edit(ids, span)` is an infill of the span
-with the text around it as prefix and suffix.
-
-Layout of an infill canvas (canvas length C, middle length m, suffix length s):
-
-    cache:  prefix (causal)            canvas: [ m holes | suffix (pinned) | end-of-text (pinned) ... ]
-
-The model was trained with the end of a response filled with end-of-text tokens, so positions after the
-suffix are pinned to the end-of-text token: the text ends there. The middle sees the suffix only within
-the canvas: tokens of a suffix longer than C - m are not visible to the middle (they are re-attached
-verbatim to the result).
-
-A middle ends at its first end-of-text token: the model ending the text inside the middle means the
-middle is shorter (`cut_at_end`), and the tokens after it are dropped.
-
-How the middle length is chosen: give `middle_length` when you know it (edit uses the span's length).
-With "auto", dgemma fills the middle at several lengths (2, 4, 8, ... up to `max_middle_length`) as one
-batch and keeps the fill under which the text reads best. Each fill is scored as the text it gives: its
-middle cut at the end of text, then what follows it (the suffix, then the end-of-text token) - so a fill
-that ends early counts as the shorter middle it is, never as a run of end-of-text tokens (which a
-causal model finds easy to predict, and which a per-token mean would otherwise favour). The score is, by
-default, the encoder's mean next-token log-probability of the middle and the first `SCORED_SUFFIX`
-tokens after it (`length_score="encoder"`), or the denoiser's mean log-probability of the middle and
-the suffix in the canvas that middle gives (`length_score="denoiser"`). The scores are returned. On the
-shipped code model the encoder's score makes 80 of 120 held-out fills parse against 46 for the
-denoiser's (benchmarks/infill_length_choice.py, measured before fills were cut at the end of text).
+"""Infilling, editing and templates laid out and checked: pins, the infill canvas, the middle's length
+limit, an edit's span, and the read-only scores of prompts and canvases (docs/editing.md). Their programs,
+and the public `fill`, `infill` and `edit`, are in dgemma/programs.py.
 """
 
 from __future__ import annotations
@@ -39,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, alternatives, run, score
+from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, alternatives, run
 from .generate import GenerationResult
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
@@ -231,14 +201,6 @@ def plan_infill(
         raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
     templates = [infill_template(model, suffix, n) for n in lengths]
     return InfillPlan(prefix, suffix, _start_prompt(model, prefix), lengths, templates, length_score)
-
-
-def continuation_logprobs(
-    model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]]
-) -> list[torch.Tensor]:
-    """The encoder's next-token log-probability of each token of each continuation after `prompt`, one 1-D
-    CPU tensor per continuation (what a ScoreCall answers: dgemma.calls.score)."""
-    return score(model, prompt, continuations).logprobs
 
 
 def prompt_logprobs_program(prompt: list[int], k: int = 0):

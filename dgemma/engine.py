@@ -1,28 +1,11 @@
-"""A batching engine for serving: many requests, one model, one background thread.
+"""A batching engine for serving: many programs, one model, one background thread (docs/server.md,
+"Batching, queue, timeouts, cancellation").
 
-Each request is a program (dgemma/programs.py: generate, fill, infill, JSON, a tool call, choose), the
-same generator the library drives alone (`dgemma.calls.run`), with its own caches, sampling settings and
-random generator. What the engine adds is that the programs' model calls are batched: every step, the
-current canvas of each request that asks for a denoising pass goes through one `denoise` pass together
-(their caches stacked, each at its own length), and each program then continues on its share of the
-logits; encodes (prompts, commits) and scores are answered in the same step. New requests join at
-the next step (up to `max_batch` active); beyond that they wait in a queue bounded in requests and in prompt
-tokens (the prefill work waiting); a full queue is refused at once so the server can answer 429. A
-request that is cancelled (its client went away) or runs past its deadline is dropped at the next step,
-and one that waited in the queue is dropped before its prompt is encoded; `drain` ends every request (a
-shutdown).
-
-Each request gets the random draws it would get alone for its seed: fast mode draws from the request's
-own generator, and exact mode (which, like the reference, draws from torch's global generator) runs with
-a global generator state of its own (`reference.own_global_rng`). Fast requests are denoised together on
-the runner's fast modules; their tokens are the same as alone up to the rounding of the batched forward
-pass (stacked caches of other lengths take other kernels: on random weights a last-bit difference can grow
-over many steps and change a token; tests/test_engine.py). Exact requests are denoised one by one on the
-reference modules, as `dgemma.generate` would alone, so they keep transformers' numbers whatever the
-runner and whoever else is being served.
-
-Events for a request (TokensEvent, DraftEvent, DoneEvent, or an exception) go to its thread-safe queue,
-which the web layer reads; a request may hold several rows (an infill's lengths).
+Each request is a program (dgemma/programs.py), the generator the library drives alone; every step the
+engine answers the model calls of all active requests, batched by kind (denoising calls in one pass,
+encodes of one shape in one pass, the rest alone). New requests join at the next step, up to `max_batch`;
+beyond that they wait in a queue bounded in requests and prompt tokens (full: QueueFull, a 429). Events
+(TokensEvent, DraftEvent, DoneEvent, or an exception) go to each request's thread-safe queue.
 """
 
 from __future__ import annotations

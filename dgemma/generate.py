@@ -87,11 +87,14 @@ def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, de
 
 class _Loop:
     """Runs canvases for one batch of prompts: asks for the prompt's encode into `cache` (`prompt`, None when
-    it is there already), then denoises and commits canvas after canvas."""
+    it is there already), then denoises and commits canvas after canvas. It holds the model's configuration
+    and embedding, never a runner: every forward pass is a call its driver answers. `stats` computes a
+    step's sampler statistics (a runner's `canvas_stats`, compiled where that pays)."""
 
     def __init__(
         self,
-        runner: Runner,
+        model: DiffusionGemma,
+        stats,
         cache: KVCache,
         p: SamplingParams,
         pins: torch.Tensor | None,
@@ -101,9 +104,8 @@ class _Loop:
         step_stats: bool = False,
         prompt: EncodeCall | None = None,
     ):
-        model = runner.model
-        self.step_stats, self.prompt = step_stats, prompt
-        self.runner, self.model, self.cache, self.p, self.out = runner, model, cache, p, out
+        self.step_stats, self.prompt, self.stats = step_stats, prompt, stats
+        self.model, self.cache, self.p, self.out = model, cache, p, out
         self.b = cache.batch_size
         self.c = model.config.canvas_length
         self.v = model.text_config.vocab_size
@@ -175,7 +177,7 @@ class _Loop:
             self.gen,
             self.embedding,
             self.embed_scale,
-            self.runner.canvas_stats,
+            self.stats,
             self.p.greedy,
         )
         if lse is not None:
@@ -357,7 +359,7 @@ def start(model: DiffusionGemma | Runner, request: Request, cache: KVCache | Non
     out = Output(ids.shape[0], p, [len(row) for row in r.rows], pad_id, model.device, t0)
     if p.mode == "exact":
         return reference_program(model, cache, p, encode, out, r.step_stats)
-    return _Loop(runner, cache, p, pins, out, allowed, r.logprobs, r.step_stats, encode).run()
+    return _Loop(model, runner.canvas_stats, cache, p, pins, out, allowed, r.logprobs, r.step_stats, encode).run()
 
 
 def prepare(

@@ -1,20 +1,8 @@
 """Images -> the vision tower's input (vision.Pixels), with Pillow only: no torchvision, no transformers.
 
-    image (a path, bytes, or a PIL image)
-      -> decoded, its decoded size capped (MAX_IMAGE_PIXELS, read from the header first: `peek`), EXIF
-         orientation applied (paths and bytes)
-      -> RGB: transparency composited onto white, every other mode (L, P, CMYK, I;16, ...) converted
-      -> resized (bicubic) to the largest H' x W' of whole cells (k x p pixels) with (H'/p)(W'/p) <= k^2 x
-         budget, aspect ratio kept, up or down (`resize_image`: what is kept of the decoded image)
-      -> / 255 (in float64, then float32), cut into p x p patches (row-major; inside a patch: row, column,
-         channel), each with its (column, row); padded to k^2 x budget rows with zeros and (-1, -1)
-
-p is the tower's `patch_size` and k its `pooling_kernel_size` (vision_config; 16 and 3 in Gemma 4, so cells
-of 48 pixels and 9 patches per soft token): chat_prompt and text_prompt read them from the checkpoint's
-config, preprocess takes them as keywords. This is what transformers' `Gemma4ImageProcessorPil` computes,
-value for value (tests/test_images.py). Its torchvision backend resizes with another bicubic kernel (and
-rescales in float32), so its pixels differ from these by up to 2 levels on CPU (benchmarks/resize_backends.py
-measures it). `budget` is the most soft tokens an image may take: 70, 140, 280 (the default), 560 or 1120.
+Decode (size checked from the header first), RGB, a bicubic resize to whole cells, patches with their
+positions: what transformers' `Gemma4ImageProcessorPil` computes, value for value. Also the prompts with
+images (`chat_prompt`, `text_prompt`). The stages step by step: docs/vision.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Every task as a program of model calls, written once, for the library, the CLI and the server.
 
-A program is a generator (dgemma/calls.py): it yields events and model calls and ends with a DoneEvent
-holding its result. `dgemma.calls.run(runner, program)` drives one alone; the engine drives many at once,
-batching their calls. Each task below is its program (`*_program`) and the blocking function the library
-exports, which is `run` of that program:
-
-    generate      the canvas loop (dgemma.generate.prepare)
-    fill          a template's holes filled, its given tokens kept
-    infill        fill at one or several middle lengths, then Score calls choose the length
-    edit          an infill of a span
-    json          draft -> sized plan -> fill -> read (Score calls for options spelled alike) -> retries
-    tool_call     Score calls choose the function, then its arguments by the json program
-    choose        one Score call over the options
-
-A program validates what it is given when it starts (a ValueError then, before any model call); the
-server builds the same programs (server/routes.py) and reads the same results.
+A program is a generator (dgemma/calls.py) that yields events and model calls and ends with a DoneEvent
+holding its result; `calls.run(runner, program)` drives one alone, the engine many at once. Each task is
+its program (`*_program`: generate, fill, infill, json, tool_call, choose; docs/architecture.md draws
+them) and the blocking function the library exports. A program validates what it is given when it starts
+(a ValueError, before any model call); the server builds the same programs (server/routes.py).
 """
 
 from __future__ import annotations
@@ -183,6 +173,13 @@ def edit(
     return _decoded(run(runner, infill_program(runner, plan, params, **overrides)), tokenizer)
 
 
+def _one_prompt(prompt, tokenizer, what: str) -> list[list[int]]:
+    rows = prompt_rows(prompt, tokenizer)
+    if len(rows) != 1:
+        raise ValueError(f"{what} takes one prompt")
+    return rows
+
+
 def _decoded(out: InfillResult, tokenizer) -> InfillResult:
     if tokenizer is not None:
         out.text, out.middle_text = tokenizer.decode(out.tokens), tokenizer.decode(out.middle)
@@ -300,9 +297,7 @@ def generate_json(
     to `retries` times, then StructuredOutputError. `overrides` set SamplingParams fields."""
     runner = as_runner(model)
     check_json_options(retries, size)
-    rows = prompt_rows(prompt, tokenizer)
-    if len(rows) != 1:
-        raise ValueError("generate_json takes one prompt")
+    rows = _one_prompt(prompt, tokenizer, "generate_json")
     if schema is not None and max_new_tokens is not None:
         raise ValueError("max_new_tokens does not apply with a schema: the schema sizes the answer")
     plan = json_plan(runner, tokenizer, schema, max_new_tokens or runner.generation_config.max_new_tokens)
@@ -353,9 +348,7 @@ def choose(model: Runner | Any, prompt, options: list, *, tokenizer=None, whole:
     """The option (text, with `tokenizer`, or token ids) the model most likely answers `prompt` (one row)
     with (`choose_program`)."""
     runner = as_runner(model)
-    rows = prompt_rows(prompt, tokenizer)
-    if len(rows) != 1:
-        raise ValueError("choose takes one prompt")
+    rows = _one_prompt(prompt, tokenizer, "choose")
     ids = option_ids(runner.model, options, tokenizer)
     return run(runner, choose_program(runner, rows[0], options, ids, whole))
 
@@ -442,9 +435,7 @@ def tool_call(
     the tools): the function `name`, or the one the model scores best, with arguments valid against its
     `parameters` schema (what a server's tool_choice "required" or a named function gives)."""
     runner = as_runner(model)
-    rows = prompt_rows(prompt, tokenizer)
-    if len(rows) != 1:
-        raise ValueError("tool_call takes one prompt")
+    rows = _one_prompt(prompt, tokenizer, "tool_call")
     check_json_options(retries, size)
     plans = tool_plans(runner, tokenizer, tools)
     kw = dict(tokenizer=tokenizer, name=name, retries=retries, size=size)

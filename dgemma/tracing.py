@@ -1,21 +1,8 @@
 """Traces: how a generation commits its tokens, step by step (what `dgemma analyze` measures and draws).
 
-A canvas is not written left to right: every step re-predicts every position, the sampler accepts some
-of them (draws them from the distribution) and renoises the rest, and a position's argmax may change
-many times before the canvas is committed. A trace records, for every position of every canvas:
-
-- `first_accepted`: the step (1 = the canvas's first) at which the sampler first accepted it (0: never);
-- `final_step`: the step from which its argmax stayed the token the canvas committed ("finalised");
-- `changes`: how many times its argmax changed from one step to the next;
-- `entropy` and `confidence` [steps, C]: the entropy of its distribution and its argmax's probability at
-  each step, as the sampler read them (after temperature and constraints);
-
-and per step, how many content positions were accepted (and for the first time) and their mean
-entropy. Content positions are the tokens the generation returned (not pinned, before the stop token
-and the length limit); the statistics (dgemma.analysis) use those. `trace(model, prompt)` runs a generation with
-`step_stats=True`, which only adds the entropy and confidence the step computes anyway to its
-DraftEvents: the tokens are those of `generate` with the same settings (tested). `canvas_trace` builds
-one canvas's record from its step sequence, so the record is testable on constructed sequences.
+`trace(model, prompt)` runs a generation and returns a `Trace` holding one `CanvasTrace` per canvas (when each
+position was accepted and finalised, its argmax changes, entropy and confidence per step); `canvas_trace`
+builds one canvas's record from its step sequence. The fields and what they mean: docs/commitment.md.
 """
 
 from __future__ import annotations

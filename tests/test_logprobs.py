@@ -12,8 +12,8 @@ from helpers import load_quiet
 from live_server import KEY
 
 import dgemma
-from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, answer
-from dgemma.editing import canvas_logprobs, continuation_logprobs, prompt_logprobs
+from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, answer, score
+from dgemma.editing import canvas_logprobs, prompt_logprobs
 from dgemma.generate import prepare
 from dgemma.runtime.runner import as_runner
 
@@ -88,7 +88,7 @@ def test_prompt_logprobs_are_the_encoders_next_token_probabilities(model):
     prompt = [2, 9, 14, 3, 27, 5]
     chosen, tops = prompt_logprobs(model, prompt, k=2)
     assert chosen[0] is None and tops[0] is None
-    want = continuation_logprobs(model, prompt[:1], [prompt[1:]])[0]  # another code path: two passes
+    want = score(model, prompt[:1], [prompt[1:]]).logprobs[0]  # another code path: two passes
     torch.testing.assert_close(torch.tensor(chosen[1:]), want, rtol=0, atol=1e-5)  # fp32 rounding
     assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in tops[1:])
 

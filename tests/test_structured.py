@@ -118,12 +118,12 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
     tokens = [t if t is not None else filler for t in plan.template]
     value, error = read_answer(model, plan, prompt, tokens)
     assert error is None
-    from dgemma.editing import continuation_logprobs
+    from dgemma.calls import score
 
     context = prompt + tokens[: choice.span.start]
     after = [t for t in plan.template[choice.span.stop :] if t is not None][:1]
     options = [ids + after for _, ids in choice.written]
-    scores = [float(lp.sum()) for lp in continuation_logprobs(model, context, options)]
+    scores = [float(lp.sum()) for lp in score(model, context, options).logprobs]
     assert value["v"] == choice.options[max(range(3), key=scores.__getitem__)]
 
 
@@ -171,16 +171,17 @@ def test_cli_json_schema(code, tmp_path, capsys):
 
 def test_choose_scores_each_option_as_the_whole_answer(code):
     model, tok = code
-    from dgemma.editing import continuation_logprobs, end_of_text_ids
+    from dgemma.calls import score
+    from dgemma.editing import end_of_text_ids
 
     prompt = tok.encode("def add(a, b):\n    return a", add_special_tokens=False)
     options = [" + b", " - b", " banana"]
     chosen = dgemma.choose(model, prompt, options, tokenizer=tok)
     end = end_of_text_ids(model)[:1]
-    for option, score in zip(options, chosen.scores, strict=True):
+    for option, given in zip(options, chosen.scores, strict=True):
         ids = tok.encode(option, add_special_tokens=False) + end
-        alone = float(continuation_logprobs(model, prompt, [ids])[0].sum())
-        assert score == pytest.approx(alone, abs=1e-4)  # one row vs a padded batch: fp32 rounding of BLAS paths
+        alone = float(score(model, prompt, [ids]).logprobs[0].sum())
+        assert given == pytest.approx(alone, abs=1e-4)  # one row vs a padded batch: fp32 rounding of BLAS paths
     assert chosen.option == options[chosen.index] and chosen.index == max(range(3), key=chosen.scores.__getitem__)
     with pytest.raises(ValueError, match="options"):
         dgemma.choose(model, prompt, [], tokenizer=tok)

@@ -1,33 +1,8 @@
 """compressed-tensors checkpoints read into dgemma's quantized modules, weights kept quantized.
 
-The checkpoints vLLM serves for DiffusionGemma (RedHatAI's FP8-dynamic and NVFP4, W4A16 int4) carry a
-`quantization_config` with `quant_method: "compressed-tensors"` in config.json and store each quantized
-Linear `<m>` as codes plus scales (`<m>.weight` / `<m>.weight_packed`, `<m>.weight_scale`, ...). The
-experts are stored one Linear per expert (`...experts.E.{gate,up,down}_proj`), which dgemma stacks into
-its fused experts, gate rows first.
-
-What is kept quantized, in which of dgemma's formats (dgemma/quant/formats.py):
-
-| compressed-tensors format | weights | dgemma |
-|---|---|---|
-| `float-quantized`, `naive-quantized` | FP8 e4m3, per channel or per tensor | `fp8` |
-| `int-quantized` | int8, per channel | `int8` |
-| `pack-quantized` | int4 in int32 words, per group or channel, either zero | `int4`, symmetric / asymmetric |
-| `pack-quantized` | int8 in int32 words, per channel | `int8` |
-| `nvfp4-pack-quantized` | FP4 e2m1, e4m3 scale per 16, fp32 global scale | `nvfp4` |
-
-Other layouts of those formats (FP8 or int8 per group or block, int8 per group) are dequantized on load,
-in fp32 and rounded once to the scale's dtype, as the library's own decompression computes them; so is
-an expert stack whose experts or halves are stored differently. Activations: dgemma runs these weights
-with unquantized activations (W8A16, W4A16); `--kernels fast` quantizes them per token for int8 / fp8,
-as the dynamic schemes say. Static activation scales (`input_scale`, `input_global_scale`) and a
-quantized KV cache are refused by name rather than silently dropped, except the NVFP4 W4A4 input scale,
-which is reported and unused (W4A16 from the same weights). The byte order of packed words is
-little-endian, as on every machine PyTorch runs on.
-
-Why not the library itself at run time: its decompression yields dense weights (the point is to keep
-them packed), and it pulls transformers and pydantic in. It is the oracle of the tests instead
-(tests/test_compressed_tensors.py): dgemma's dequantized weights equal its decompression bit for bit.
+RedHatAI's FP8-dynamic and NVFP4 and W4A16 int4 files load as they are, the per-expert Linears stacked
+into dgemma's fused experts. Which formats stay quantized, what is dequantized on load and what is
+refused: docs/formats.md, "compressed-tensors"; the tests against the library: docs/quantization.md.
 """
 
 from __future__ import annotations

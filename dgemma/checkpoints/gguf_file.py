@@ -1,19 +1,7 @@
 """GGUF files of DiffusionGemma (llama.cpp's `diffusion-gemma` conversion) read and written with `gguf`.
 
-The layout is the one of llama.cpp PR #24423 (Unsloth's files; shared/reference/formats.md section 2):
-arch `diffusion-gemma`, `blk.N.*` tensors in transformers' [out, in] order, fused experts, no `attn_v`
-on full-attention layers, norms stored as they are (no 1 + w), both layer scalars
-(`layer_output_scale` for the canvas, `enc_layer_output_scale` for the prompt), the self-conditioning
-MLP, and the canvas length and sampler settings under `diffusion.*`. PR #24427's names
-(`self_cond_norm`, one layer scalar for both phases) are read too.
-
-The `gguf` package reads the file (memory-mapped) and decodes every block type (its dequantizers:
-Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, IQ types); dgemma keeps two of them quantized, in its own
-formats, since they are the same arithmetic: Q8_0 as int8 with an fp16 scale per 32 weights, Q4_0 as
-int4 (q * scale, q in [-8, 7]) with an fp16 scale per 32; the nibbles are reordered, nothing is rounded.
-Other types are decoded to the model's dtype as they load (pass `quant=` to quantize them again into a
-dgemma format instead: the tensors are read one at a time either way). Writing uses `gguf`'s writer and
-its quantizers (BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+Q8_0 and Q4_0 stay quantized as dgemma's int8 and int4; other block types are decoded as they load.
+Layout, block types and what is written: docs/formats.md, "GGUF".
 """
 
 from __future__ import annotations

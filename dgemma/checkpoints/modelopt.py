@@ -1,24 +1,8 @@
 """NVIDIA ModelOpt NVFP4 checkpoints (`nvidia/diffusiongemma-26B-A4B-it-NVFP4`) read as they are.
 
-ModelOpt stores each quantized Linear `<m>` as
-  `<m>.weight`          uint8 [O, I/2]   two e2m1 codes a byte, even column in the low nibble
-  `<m>.weight_scale`    e4m3  [O, I/16]  one scale per 16 inputs
-  `<m>.weight_scale_2`  fp32  scalar     w = e2m1 * weight_scale * weight_scale_2
-  `<m>.input_scale`     fp32  scalar     the calibrated activation scale (W4A4)
-and says so in config.json (`quantization_config: {quant_method: "modelopt", quant_algo: "NVFP4", ...}`)
-or in hf_quant_config.json (`{"quantization": {"quant_algo": "NVFP4", ...}}`). Unquantized modules
-(those the file's exclude list names: lm_head, the router, the vision tower, ...) keep their dtype.
-
-This is compressed-tensors' NVFP4 under other names, with the global scales inverted: its
-`weight_global_scale` is 1 / `weight_scale_2` (and `input_global_scale` 1 / `input_scale`), so the file is
-presented to dgemma/checkpoints/compressed_tensors.py's reader under those names (ModelOptSource) and read by it:
-one reader, checked once. The compressed-tensors library's `ModelOptNvfp4Converter` renames and inverts
-the same way; tests/test_modelopt.py loads a ModelOpt file and its conversion by that library and finds
-the same weights.
-
-A FP8 KV cache (`kv_cache_quant_algo`, `k_scale` / `v_scale` tensors) is reported and not used: dgemma
-keeps its KV cache in the model's dtype. Other ModelOpt algorithms (FP8, INT4 AWQ, W4A8, mixed) are
-refused by name.
+The file is compressed-tensors' NVFP4 under other names with the global scales inverted, so ModelOptSource
+renames and inverts it on the fly and compressed_tensors.py's reader reads it: one reader. Tensor layout,
+what is reported or refused: docs/formats.md, "ModelOpt NVFP4".
 """
 
 from __future__ import annotations

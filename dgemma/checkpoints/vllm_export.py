@@ -1,26 +1,8 @@
 """compressed-tensors checkpoints that vLLM loads: the hand-off from one machine to vLLM's tensor and
 pipeline parallelism (`dgemma quantize --format compressed-tensors`, `dgemma.save(format=...)`).
 
-What each export is, and the path vLLM takes for it (docs/quantization.md has the `vllm serve` commands):
-
-| dgemma | written as (compressed-tensors) | vLLM scheme: kernel |
-|---|---|---|
-| `fp8` | FP8_DYNAMIC: e4m3 per channel, activations per token | W8A8Fp8: FP8 GEMM (Ada and later) |
-| `int8` | W8A16: int8 per channel (`group_size: -1`) | WNA16: Marlin; experts WNA16 MoE |
-| `int4` | W4A16: int4 per group of 32, 64 or 128, or per channel | WNA16: Marlin; experts WNA16 MoE |
-| `nvfp4` | NVFP4A16: e2m1, e4m3 scale per 16, one global scale | W4A16Fp4: Marlin FP4 (weight-only) |
-| `nvfp4` calibrated | NVFP4 W4A4, static `input_global_scale` | W4A4Fp4: CUTLASS FP4 (Blackwell) |
-
-What vLLM needs beyond the tensor layout, and how the writer provides it:
-- vLLM fuses a layer's q / k / v into `qkv_proj` and the dense gate / up into `gate_up_proj`: each fused
-  group must have one scheme, and NVFP4 one global scale (quantization shares it, dgemma.quant.fused_group;
-  a model whose group holds several is requantized with the group's, with a warning).
-- An expert's gate, up and down run under one scheme: int4 experts stored per group for gate / up and
-  per channel (or another group) for down are written with one group size, the scales repeated, which
-  changes no weight; other mixtures are refused.
-- Config groups target modules by patterns that match the checkpoint's names, vLLM's fused modules and
-  their shards alike (global layers have no v_proj; an exact name list would leave qkv_proj unmatched).
-- Channel-wise schemes say `group_size: -1`; int4 groups are those Marlin takes (32, 64, 128).
+What each export is written as and how vLLM runs it: docs/formats.md, "The vLLM export"; what vLLM needs
+beyond the tensor layout, the `vllm serve` commands and the checks: docs/quantization.md, "Handing off to vLLM".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """`dgemma analyze`: how a model's canvases commit their tokens (dgemma.tracing), measured (dgemma.analysis)
 and drawn.
 
-Inputs: prompts (`-p`, or `--prompts FILE.jsonl` with a `prompt` and optionally a `reference`, the right
-answer, per line), or a task with known answers on its shipped model (`--task`):
-
-- `sudoku`: fresh puzzles on the Sudoku model, clues pinned; the reference is the solution. Adds how a
-  blank cell's finalisation step goes with its constraint count (the distinct digits among its peers'
-  clues).
-- `code`: one-canvas continuations of held-out standard-library files on the code model (no reference:
-  a continuation has many right answers).
-- `infill`: the same files with a few lines cut out, filled between prefix and suffix at the true
-  length; the reference is the cut.
-- `extract`: held-out orders into JSON on the extraction model; the reference is the answer.
-
-Writes to `--out`: traces.jsonl (one dgemma.tracing.Trace per line), stats.json (dgemma.analysis.summary,
-the calibration when references are given, and the task's own figures), and heatmap.png (finalisation
-step by position), commits.png (positions finalised and accepted per step, mean entropy), calibration.png
-(accuracy against confidence at commit) and, for Sudoku, sudoku.png (mean finalisation step per cell).
+Traces prompts (`-p`, `--prompts FILE.jsonl`) or a task on its shipped model (`--task sudoku|code|infill|extract`)
+and writes traces.jsonl, stats.json and pictures to `--out`. Inputs, outputs and the study: docs/commitment.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,9 @@
 
     dgemma.quant.quantize_model(model, "int4", group_size=64)
 
-Policy (what is quantized): the attention projections (q, k, v, o), the dense GeGLU MLP of every layer
-and the stacked experts: together over 95% of the 26B-A4B model's bytes, and what every denoising step
-reads. What stays in the model's dtype, and why:
-- the router (`router.proj`, scales): tiny, and a rounding error there changes which experts run, an
-  error far larger than any weight's rounding;
-- norms, layer scalars: vectors, negligible bytes, and they set the scale of everything after them;
-- the token embedding, tied with the LM head: its rows are read one at a time (cheap), the LM head's
-  logits feed the sampler's entropy directly, and the self-conditioning soft embedding multiplies
-  probabilities by it;
-- the self-conditioning MLP: small, and it reads those soft embeddings.
+The attention projections, the dense MLP and the experts are quantized (over 95% of the 26B-A4B's bytes);
+the router, norms, layer scalars, the tied embedding and the self-conditioning MLP keep the model's dtype
+(docs/quantization.md says why, part by part).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Activation ranges for exports that quantize activations too (NVFP4 W4A4): calibrated on text.
+"""Activation ranges for exports that quantize activations too (NVFP4 W4A4), calibrated on text.
 
-A W4A4 NVFP4 checkpoint carries, for every quantized Linear, a static `input_global_scale` = 448 * 6 /
-max|x| over calibration inputs x; the 16-value block scales of the activations are computed at run time
-from it (compressed-tensors' `dynamic: "local"`). llm-compressor calibrates it on a few hundred samples;
-here it is a few batches of the user's text, run the way DiffusionGemma runs: the first part of each
-sample through the causal encoder pass, the rest as a canvas with half its tokens replaced at random
-(the training corruption at noise level 0.5), denoised twice, the second time self-conditioned.
-
-`input_amax` returns max|x| by module: a Linear's name, and `<experts>.<e>.gate_up_proj` /
-`<experts>.<e>.down_proj` for every expert (those the calibration routed no token to get their layer's
-largest). dgemma itself runs these weights with unquantized activations; the ranges are
-for vLLM (dgemma/checkpoints/vllm_export.py).
+`input_amax` runs a few batches of the user's text the way DiffusionGemma runs (prompt through the
+encoder, a half-corrupted canvas denoised twice) and returns max|x| per Linear and per expert (experts no
+token reached take their layer's largest): each export's `input_global_scale` = 448 x 6 / max|x|, for vLLM
+(docs/quantization.md; dgemma/checkpoints/vllm_export.py). dgemma itself runs unquantized activations.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Weight-only quantization formats: tensors in, (codes, scales) out, and back.
 
-Every format quantizes along the *input* dimension of a weight laid out as `[..., out, in]` (nn.Linear
-and the stacked experts alike), so a scale multiplies one output row (or one group of one row) and
-dequantization is a broadcast multiply. What dgemma writes:
-
-- `int8`: one fp32 scale per output row; codes in [-127, 127] (int8). Read also with one scale per
-  group (GGUF's Q8_0: fp16 per 32).
-- `int4`: one bf16 scale per group of `group_size` inputs of a row; codes in [-8, 7] stored two per byte
-  (uint8, low nibble first, offset by 8) and read as the midpoints (q + 0.5) * scale, 16 levels symmetric
-  about 0; a `[out, in]` weight takes `out * in / 2` bytes plus the scales.
-- `fp8`: float8_e4m3fn codes with one fp32 scale per output row (max |w| maps to 448).
-- `nvfp4`: FP4 (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) codes two per byte (low nibble
-  first, sign in bit 3), one float8_e4m3fn scale per 16 inputs and one fp32 global scale per matrix
-  (kept per output row, so gate and up rows fused from two matrices keep their own):
-  w = e2m1 * (scale / global_scale). The compressed-tensors `nvfp4-pack-quantized` format, quantized as
-  that library does (tests/test_compressed_tensors.py checks the bytes).
-
-What dgemma also reads (compressed-tensors checkpoints, dgemma/checkpoints/compressed_tensors.py) and keeps as is:
-int4 read as q * scale ("symmetric", q in [-8, 7]) or (q - zero_point) * scale ("asymmetric", one zero
-point per group), scales of any float dtype, and int8 codes down to -128.
+int8, int4, fp8 and nvfp4, each along the input dimension of a `[..., out, in]` weight, plus what dgemma
+reads from files and keeps as is. Codes, scales and byte layouts: docs/quantization.md, "Formats" and
+"How the code is laid out".
 """
 
 from __future__ import annotations

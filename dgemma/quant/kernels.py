@@ -1,20 +1,8 @@
 """Integer and fp8 matmuls for quantized weights, from PyTorch's own ops, as an opt-in fast path.
 
-The default forward of a quantized module is weight-only: dequantize a tile, multiply in the activation
-dtype. `use_kernels(model)` switches int8 and fp8 modules to a matmul on the quantized values
-themselves, with the activations quantized per token on the fly (dynamic W8A8 / FP8-dynamic, as the
-published FP8 checkpoints run): `torch._int_mm` (int8 x int8 -> int32) and `torch._scaled_mm` (fp8 with
-row-wise scales). Both ops exist on CPU and CUDA in PyTorch 2.13; on CUDA they read half (int8, fp8)
-the bytes of a bf16 weight and use the tensor cores. int4 has no such portable op and keeps the
-dequantizing path. Each kernel is tested against the same computation on dequantized values.
-
-NVFP4 (W4A4, as NVFP4 checkpoints run in vLLM on Blackwell): the activations are quantized to NVFP4 too
-(dgemma's own quantize_nvfp4, one dynamic global scale per call), and `torch._scaled_mm` multiplies the
-two FP4 operands with their e4m3 block scales in cuBLAS's swizzled layout (`to_blocked`); the two global
-scales multiply the result. Native FP4 matmuls exist only on GPUs of compute capability 10 or newer
-(Blackwell: B200, RTX 50xx), so `use_kernels` switches nvfp4 on only there (`native_fp4`). Elsewhere the
-same W4A4 arithmetic runs emulated (`nvfp4_emulated`, the product of the dequantized operands), which is
-how its accuracy is measured on a CPU (benchmarks/quant_quality.py, mode `nvfp4-w4a4`).
+`use_kernels(model)` runs int8 / fp8 modules as `torch._int_mm` / `torch._scaled_mm` with activations
+quantized per token, and nvfp4 as W4A4 where the GPU has native FP4 matmuls (emulated on request).
+Details: docs/quantization.md, "Kernels" and "How the code is laid out".
 """
 
 from __future__ import annotations

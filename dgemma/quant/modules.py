@@ -1,16 +1,9 @@
 """Quantized stand-ins for nn.Linear and the stacked experts, swapped in from outside the model.
 
-Both keep the codes under the weight's own name (`weight`, `gate_up_proj`, `down_proj`) and the scales
-beside it (`weight_scale`, ...; `*_zero_point` for asymmetric int4, `*_global_scale` for nvfp4), so a
-quantized model's state dict has the checkpoint's names plus those entries. The forward passes
-dequantize one tile of output rows (or one expert) at a time into the activation dtype and multiply: no
-dequantized copy of a whole layer outlives the call.
-
-Training through them (LoRA over a quantized frozen base, dgemma/train/lora.py): the weights are frozen
-buffers, and what the backward pass needs is dL/dx = dL/dy W. A plain F.linear would keep each
-dequantized weight alive for that, which for an unrecomputed pass is the whole model in bf16; instead
-`dequantized_linear` keeps only the codes (which stay in memory anyway) and dequantizes again, one tile
-or one expert at a time, in the backward pass.
+Codes stay under the weight's own name and scales beside it (`weight_scale`, `*_zero_point`,
+`*_global_scale`); the forward dequantizes one tile of output rows (or one expert) at a time, and so does
+the backward of `dequantized_linear` (LoRA over a frozen quantized base: docs/qlora.md), which keeps only
+the codes (docs/quantization.md).
 """
 
 from __future__ import annotations

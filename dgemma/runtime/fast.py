@@ -1,27 +1,9 @@
 """Faster modules, swapped into a twin of the model that shares its weights (model.py stays the reference).
 
-`fast_twin(model)` is a second DiffusionGemma over the very same parameters and buffers (no copy), in
-which:
-
-- every RMSNorm is a `FastRMSNorm`: fewer ops (rsqrt, and no casts when the input is already fp32);
-- the LM head is a `FastLMHead`: the logits computed a vocabulary chunk at a time straight into their
-  buffer (the caller's, when it passes one), each chunk softcapped while it is still in cache;
-- every Experts is a `FastExperts`, computed by size: when the extra work is small (few tokens, few
-  experts), every expert runs on every token as two batched matmuls and unselected experts get weight
-  zero, which replaces a Python loop of small ops; otherwise tokens are sorted by expert once and each
-  expert reads its weights once, on a contiguous slice; with `grouped` (default on CUDA) every expert runs
-  in one grouped matmul per projection (`torch.nn.functional.grouped_mm`): each expert's weights are read
-  once per step, nothing waits for the device, and the step can be captured in a CUDA graph;
-- with `grouped`, quantized experts (int8, int4, fp8, nvfp4) are a `GroupedQuantExperts`: each stack
-  dequantized whole, then the same grouped matmuls (no loop over experts on the host);
-- on CUDA, int8 / fp8 quantized modules use tensor-core matmuls, and nvfp4 ones FP4 matmuls (W4A4) on GPUs
-  that have them (Blackwell; dgemma/quant/kernels.py); on a CPU with int8 dot products (AMX-INT8,
-  AVX512-VNNI, AVX-VNNI: dgemma/runtime/cpu.py) int8 modules use integer matmuls (W8A8, torch._int_mm).
-
-`print(twin)` shows these modules. The twin is what a `dgemma.Runner` runs for fast-mode requests, compiled
-or replayed from CUDA graphs (dgemma/runtime/runner.py; `dgemma.accelerate(model)` makes that runner). The model itself
-is never changed, so exact-mode requests keep running the reference modules. Results match the reference
-to float rounding (tests/test_fast.py compares every path).
+`fast_twin(model)` is a second DiffusionGemma over the very same parameters and buffers (no copy) whose
+RMSNorms, LM head and experts (dense, sorted or grouped; quantized ones too) are the classes below; the
+table in docs/speed.md ("The fast paths") says what each does and what it is tested against. A Runner runs
+the twin, compiled or replayed from CUDA graphs; the model itself is never changed.
 """
 
 from __future__ import annotations

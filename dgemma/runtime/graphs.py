@@ -1,22 +1,10 @@
-"""A denoising step with fixed shapes, replayed from a CUDA graph.
+"""A denoising step with fixed shapes, replayed from a CUDA graph (docs/speed.md, "The fast paths").
 
-At batch 1 a step of the real model launches thousands of small kernels; on a fast GPU launching them
-costs as much as running them. A CUDA graph records the step once and replays it with one launch. That
-needs a step whose shapes and memory addresses never change, so the step here reads the KV cache
-through `StaticCacheView`: every cached slot is attended (slots not yet written, or padding, are masked
-out) and where the canvas sits comes from a one-element tensor, not a Python int. Every canvas of a
-generation then runs the same graph, whatever the prompt length.
-
-A server batch (the engine's StackedCache: one cache per request, each at its own length) is served as
-nano-vllm does: one graph per batch size. The batch's prefixes are copied, right-aligned, into fixed
-buffers (`StaticStack`, rows and slots rounded up to powers of two; copied again only when a cache or the
-batch changes, so once per canvas rather than per step) and the graph of that (rows, slots) bucket
-replays; padded rows attend to nothing but their own canvas and their logits are dropped.
-
-A `Runner` made fast on CUDA (dgemma/runtime/runner.py) answers its denoising calls through a
-`GraphedDenoise` of its fast twin. Calls it cannot serve (training, row subsets of a batch, CPU tensors)
-go to the twin's ordinary denoise. On CPU the same static steps run without the graph (`capture=False`),
-which is how the tests compare them with the ordinary denoise.
+A lone cache is read through `StaticCacheView` (every slot attended under a mask, the canvas position a
+one-element tensor), so every canvas of a generation replays one graph. A server batch (StackedCache) is
+copied into the fixed buffers of a `StaticStack` and replays the graph of its (rows, slots) bucket: one
+graph per batch size, as nano-vllm captures them. Calls it cannot serve go to the ordinary denoise; on a
+CPU the same static steps run without graphs (`capture=False`), which is how the tests check them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The forward passes generation runs, and the kernels that run them: `Runner.encode` and `Runner.denoise`.
+"""The forward passes generation runs: `Runner.encode` and `Runner.denoise` (docs/speed.md, "The fast paths").
 
-    runner = dgemma.accelerate(model)               # fast modules, CUDA graphs on CUDA
-    runner = dgemma.accelerate(model, compile=True)  # ... and torch.compile of its denoise and encode passes
-    dgemma.generate(runner, prompt)                  # wherever a model goes: generate, Engine, create_app
+    runner = dgemma.accelerate(model)   # the fast twin (runtime/fast.py), CUDA graphs on CUDA; compile=True too
+    dgemma.generate(runner, prompt)     # wherever a model goes: generate, Engine, create_app
 
-A runner holds the model (the reference modules of model.py, never changed) and, when made fast, a twin
-over the same weights with the fast modules swapped in (dgemma/runtime/fast.py), whose denoising pass it may
-compile (its text encodes, and a toy's sampler statistics, too) or replay from captured CUDA graphs
-(dgemma/runtime/graphs.py). A bare model passed where a runner goes is `Runner(model)`: the reference
-modules, eagerly. Exact-mode requests are answered by `runner.reference` (that Runner), so they keep
-transformers' numbers whatever runner serves them.
+A bare model passed where a runner goes is `Runner(model)`, the reference modules; exact-mode requests are
+answered by `runner.reference`, so they keep transformers' numbers whatever runner serves them.
 """
 
 from __future__ import annotations

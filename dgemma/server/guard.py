@@ -1,15 +1,6 @@
-"""What every HTTP request crosses before a route sees it, as one plain ASGI middleware (not Starlette's
-BaseHTTPMiddleware, which hides a client's disconnect from the routes):
-
-- the `Host` header, when the server is on loopback without a key (a DNS-rebinding page in a browser
-  would otherwise reach it as `attacker.example`);
-- the API key, compared in constant time; `/` (a static page) and `/health` stay open, everything else
-  (`/v1/...`, `/metrics`, `/docs`, `/openapi.json`) needs it;
-- the body: at most `max_body_bytes` (413), read within `body_timeout` seconds (408), valid UTF-8 (400),
-  and, where it is JSON, every number finite and nesting bounded (400 naming the value's path:
-  json_values.py); it is read here once and handed on, so nothing after this can be made to buffer more;
-- the count of answers by route template and status, for /metrics; and an OpenAI-shaped 500 if a route
-  ever raises.
+"""What every HTTP request crosses before a route sees it, as one plain ASGI middleware: the Host header on
+loopback without a key, the API key (constant time; `/` and `/health` open), the body's size, time,
+UTF-8 and JSON bounds (read once, here), and the answer counts for /metrics (docs/server.md, "Security").
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """A chat request's image parts -> images ready for chat_prompt, with the decoded pixels bounded.
 
-    image_url part (a data: URL) -> base64 -> the image's header (images.peek: its size, no pixel decoded)
-      -> per request: the decoded pixels of its images together at most MAX_REQUEST_PIXELS, else a 400
-         naming the part that goes over (messages.i.content.j), before any image is decoded
-      -> one image at a time, on DECODE_THREADS threads of their own: wait for its pixels in the process's
-         budget (DECODING: MAX_DECODING_PIXELS decoded at once, first come first served; a decode waits for
-         it, never fails), decode, RGB, resize to the tower's target size (images.resize_image), let go
-      -> {"type": "image", "image": images.Resized}: what a request keeps until its prefill is the resized
-         image (at most `budget` cells), never the decoded one
-
-Why decode at full size and not smaller (Pillow's JPEG `draft`, `reduce`): both change the pixels, and
-images.py gives transformers' processor's pixels value for value, which decodes at full size; bounding how
-many full-size decodes exist at once keeps that exactness and bounds the memory. After a burst (nothing
-left decoding) the freed memory goes back to the kernel (cpu.release_freed_memory): glibc otherwise keeps
-Pillow's freed blocks in the decoding threads' arenas and RSS stays at the burst's peak
-(benchmarks/serve_hostile.py measures both).
+data: URLs only; sizes read from the headers and bounded per request, then each image decoded at full size
+on threads of its own within a process-wide pixel budget and resized at once. Limits and reasons:
+docs/vision.md ("How the code is laid out") and docs/server.md ("Image memory").
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ..constraints import Allowed
 from ..editing import end_of_text_ids
 from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
@@ -192,13 +191,6 @@ class JsonPlan:
         `length` (default: its own)."""
         pad = [self.end] * ((length or len(self.template)) - len(self.template))
         return torch.tensor([[-1 if t is None else t for t in self.template + pad]], dtype=torch.long)
-
-    def constraints(self, length: int | None = None) -> Allowed | None:
-        """The allowed tokens as generate's `allowed` (None for a free object), `length` long."""
-        if self.allowed is None:
-            return None
-        pad = [None] * ((length or len(self.template)) - len(self.template))
-        return Allowed.from_sets([self.allowed + pad], self.classes.vocab_size)
 
     def read(self, tokens: list[int], score: Callable[[int, list[list[int]]], int]) -> tuple[Any, str | None]:
         """The answer a fill of this plan holds and None, or None and why it is not valid. Where a hole

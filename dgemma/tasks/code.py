@@ -1,18 +1,8 @@
 """Python code: the corpus, the tokenizer and the training records of dgemma's small code model.
 
-Corpus: the Python standard library's own source (`sysconfig`'s stdlib directory), present on every
-machine and under the PSF license. Test suites (`test/`, `tests/`, `idle_test/`, `test_*.py`),
-`site-packages` and files that are not UTF-8 or do not parse are left out. Files are taken in sorted
-path order and assigned to a split by a hash of their relative path (90 / 5 / 5 %), so no file is in two
-splits and the split of a file never depends on which other files exist.
-
-Records (JSONL, already tokenised, see dgemma/train/data.py):
-- continuation: `prompt_ids` = up to `context` tokens of a file, `completion_ids` = the next canvas;
-- infilling: `prompt_ids` = the prefix, `completion_ids` = [middle | suffix | end] laid out exactly as
-  `dgemma.infill` lays out its canvas, with the suffix and end tokens `pinned` (given, never scored).
-  The middle is either a random cut of the file's tokens or (with `syntax_share`) a whole syntactic unit
-  (`syntax_spans`: a line, an expression, a function body) with the prefix, middle and suffix tokenised
-  separately, as `dgemma infill` tokenises text a user gives it.
+The corpus is this Python's standard library (tests, site-packages and unparsable files left out), split
+90/5/5 by a hash of each file's path; records are continuations and infills laid out as `dgemma.infill`
+lays out its canvas, a share of them whole syntactic units (`syntax_spans`). docs/code.md has the details.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Sudoku: puzzles with a unique solution, graded difficulty, a solver/validator, datasets, and the model
 format (tokens, prompt, canvas).
 
-Grids are strings of 81 characters, row by row, `1`-`9` for digits and `0` for a blank. Parsing also
-accepts `.` for blanks and ignores whitespace and the usual separators (`|`, `-`, `+`).
-
-Difficulty is graded by the techniques a logical solver needs:
-
-- `easy`:   naked singles only (a cell with one candidate left);
-- `medium`: hidden singles as well (a digit with one place left in a row, column or box);
-- `hard`:   neither suffices at some point: search is needed.
-
-Model format (a DiffusionGemma with a 15-token vocabulary, canvas 81):
-
-    prompt:  <bos> c1 c2 ... c81 <sep>     (clues as digit tokens, blanks as `.`)
-    canvas:  s1 s2 ... s81                  (the solution; at inference the clue cells are pinned)
+Grids are strings of 81 characters, row by row, `1`-`9` for digits and `0` for a blank. Grid syntax,
+difficulty levels and the model format: docs/sudoku.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """Training data: JSONL records -> tokenised (prompt, response) examples, and their order.
 
-One record per line, in one of three forms:
-
-    {"messages": [{"role": "user", "content": "..."}, ..., {"role": "assistant", "content": "..."}]}
-    {"prompt": "...", "completion": "..."}
-    {"prompt_ids": [2, 17, ...], "completion_ids": [40, 41, ...]}     (already tokenised)
-
-Chat records may hold images in the prompt's messages: `{"type": "image", "image": "shapes/0001.png"}` parts
-(paths relative to the JSONL file), each expanded to its placeholders as at inference (dgemma.images); the
-images are read again, and preprocessed, when their batch is assembled. `"max_soft_tokens"` sets a
-record's image budget (default 280).
-
-Any record may add `"pinned": [0, 1, 1, 0, ...]` (one flag per response token): positions that will be
-given at inference (a template's fixed cells, an infill's suffix). They are never noised in training and
-not scored, so training sees the canvases inference will see.
-
-Chat records are rendered with the checkpoint's chat template: the prompt is every message but the last,
-with the generation prompt (`<|turn>model\\n`); the response is what the template adds for the final
-assistant message, i.e. its content and the closing end-of-turn token (the separator after it is not part
-of the response). prompt/completion records go through the template as one user and one assistant turn
-when the tokenizer has a template (unless `chat_template: false`), otherwise the prompt is plain text with
-BOS and the completion follows it. Only the response is supervised by the diffusion loss; the response is
-split into canvases and the last is filled with end-of-text tokens by the objective.
-
-Truncation (as the references do): a response cut by `max_length` is marked, and the objective then does
-not supervise the end-of-text fill after it (the text did not really end there). A prompt that alone
-reaches `max_length` leaves nothing to train on: the record is skipped and counted.
+Three record forms (messages, prompt/completion, prompt_ids/completion_ids), image parts, `pinned`
+positions, chat-template rendering and truncation: docs/training.md, "Data".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Stage 2, part 1: sampler distillation on the model's own trajectories.
 
-What is distilled, and why. At inference the entropy-bound sampler accepts, at every step, the positions
-whose predictive entropy is low enough; a canvas needs few steps when the model is confident early. Stage 1
-trains on canvases corrupted at random (each position replaced with probability t), which are not the
-states the sampler produces: there, the accepted positions are already the model's own choices, the rest
-are fresh noise, and a self-conditioning signal from the previous step is always present. Here the student
-is trained on exactly those states (recorded while its sampler runs, `rollout`), and its target at every
-state is the canvas a *teacher* finally committed: the stage-1 model run with a slower, more careful
-sampler (a stricter entropy bound, or a fixed number of tokens per step, and more steps), kept only where
-a verifier accepts it (the puzzle is solved; the infill matches). Learning to predict, from an early
-state, what the careful teacher ends with makes the student confident sooner (more tokens accepted per
-forward) without moving its answers away from verified ones. Which canvas is the target is stage2.py's
-choice (`distill_target`): the rollout's own verified end, a teacher's verified canvas, or the record's
-completion for every rollout (docs/stage2.md compares them).
-
-This combines self-distillation through time (SDTT, Deschenaux & Gulcehre, arXiv 2410.21035: a student
-matches, in fewer steps, what a teacher reaches in more) with on-policy states (the student's own sampler
-trajectories, as in Di[M]O, arXiv 2503.15457, and the consistency idea of Duo's DCD, arXiv 2506.10892:
-every state along a trajectory is mapped to the trajectory's end), and with rejection-sampling filters by
-a verifiable reward. The loss is the stage-1 flat cross-entropy, only the states differ.
+The student is trained, with the stage-1 flat cross-entropy, on the states its own sampler visited
+(`rollout`), toward a verified target canvas, so that it becomes confident sooner. What is distilled, why,
+and the methods it draws on: docs/stage2.md, "One step" (4) and "How the code is laid out".
 """
 
 from __future__ import annotations

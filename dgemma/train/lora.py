@@ -1,18 +1,8 @@
 """LoRA adapters with peft, on dgemma's single shared stack.
 
-dgemma runs encode and denoise through the same modules, so one adapter serves both passes (as in Google's
-and NeMo's recipes); there is no separate encoder copy whose delta could be merged twice. The default
-targets are the attention projections and the dense GeGLU MLP of every layer (`experts` and
-`self_conditioning` may be added); the router and the embeddings always stay frozen. Adapters are saved
-in peft's format (adapter_config.json + adapter_model.safetensors) under dgemma's module names.
-
-Everything that knows how peft lays a model out lives here: the trainer asks this module for the
-DiffusionGemma under the adapters (`base_model`), writes adapters with `save_adapter` and restores them
-with `adapter_state`; `load_adapter(merge=True)` is the merged export (`dgemma merge`).
-
-Targets may also be quantized (QLoRA: the frozen base stays int4 / nvfp4 / fp8 / int8 in memory) and
-include the experts (`experts`, per-expert or shared factors): the layers peft lacks for those are in
-lora_layers.py, registered with peft's custom-module mechanism.
+Everything that knows how peft lays a model out lives here: applying adapters, saving and restoring them,
+the merged export (`dgemma merge`). Targets, frozen parts and the adapter format: docs/training.md, "LoRA";
+the layers peft lacks (quantized linears, experts) are in lora_layers.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """peft LoRA layers for what peft does not know: quantized linears and the stacked experts.
 
-Registered with peft's custom-module mechanism (`LoraConfig._register_custom_module`), so the adapters
-are peft's own in every other respect (naming, state dict, adapter_config.json, saving and loading):
-
-- `QuantLoraLinear`: LoRA over a frozen `QuantLinear` (QLoRA-style). The base output is the quantized
-  module's, whose backward pass dequantizes a tile at a time instead of keeping the weight
-  (dgemma.quant.modules.dequantized_linear); the adapter adds B A x * scaling, as peft's Linear does.
-- `LoraExperts` / `SharedLoraExperts`: LoRA on the stacked GeGLU experts, bf16 (`Experts`) or quantized
-  (`QuantExperts`), for both gate_up_proj and down_proj. `LoraExperts` gives every expert its own
-  factors (A [E, r, in], B [E, out, r]); `SharedLoraExperts` one pair for all experts (A [1, r, in],
-  B [1, out, r]), 1/E of the parameters. The tokens are dispatched expert by expert (dgemma.moe), so the
-  backward pass dequantizes one expert's matrix at a time.
-
-Merging (`merge_and_unload`, `dgemma merge`) adds the deltas into the base: a bf16 base in place, a
-quantized base by dequantizing, adding and quantizing again in the same format (so a merge into a
-quantized model is a re-quantized model, with that rounding). Unmerging a quantized base is refused:
-the rounding cannot be undone.
+`QuantLoraLinear`, `LoraExperts` and `SharedLoraExperts`, registered with peft's custom-module mechanism.
+Details, merging included: docs/training.md, "LoRA layers for quantized linears and experts"; memory and
+correctness: docs/qlora.md.
 """
 
 from __future__ import annotations

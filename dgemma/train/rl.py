@@ -1,19 +1,9 @@
 """Stage 2, part 2: reinforcement learning with verifiable rewards (a GRPO variant for uniform-noise
 block diffusion).
 
-Per step: for each prompt, G canvases are sampled with the model's own sampler (a *group*); a verifier
-scores each (`REWARDS`: Sudoku solved and clues kept; code infill matching its reference); advantages are
-the rewards standardised within the group (GRPO, Shao et al., arXiv 2402.03300, so no value model).
-
-The likelihood of a canvas under a denoising policy is intractable. Following UDM-GRPO (arXiv 2604.18518),
-the first GRPO for *uniform* discrete diffusion, the action is the final canvas o and its log-likelihood
-is estimated with the forward process: corrupt o at a random noise level t (each non-pinned position
-replaced by a uniform random token with probability t), run one denoising pass, and sum log p(o_k | noisy)
-over the non-pinned positions (the stage-1 flat cross-entropy, negated; d1 / diffu-GRPO, arXiv
-2504.12216, uses the same one-pass mean-field estimate with masking). The same corruption is used for the
-current, the rollout-time ("old") and the frozen reference model, so their differences are low-variance.
-The objective is PPO-style clipping of the ratio exp(log p - log p_old) times the advantage, per token,
-plus a KL penalty to the reference (the k3 estimator, exp(r) - r - 1 with r = log p_ref - log p).
+Verifiers (`REWARDS`), group-standardised advantages, and the clipped policy-gradient loss with a k3 KL
+penalty on a forward-process likelihood estimate (UDM-GRPO). Details: docs/stage2.md, "One step" (3) and
+"How the code is laid out".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Stage 2: reinforcement learning combined with sampler distillation, from a stage-1 checkpoint.
 
-`dgemma train CONFIG.yaml` runs this when the config has a `stage2:` section (recipes/*-stage2.yaml).
-Each step:
-
-1. draws `prompts_per_step` training records (prompt, completion, pinned positions);
-2. samples `group_size` canvases per prompt with the model's own sampler (`stage2.sampling`), recording
-   every state the sampler gave the model (distill.rollout);
-3. scores each canvas with the verifier (`stage2.reward`, see rl.REWARDS) and turns the scores into
-   group-standardised advantages;
-4. picks distillation targets: each rollout's own final canvas where the verifier gives it full credit
-   (`distill_target: final`), or the canvas of a teacher (the frozen stage-1 model run with the slower
-   `teacher_sampling`; `distill_target: teacher`), where the verifier accepts it;
-5. loss = rl_weight x clipped policy-gradient loss with a KL penalty to the stage-1 model (rl.grpo_loss,
-   on a forward-process likelihood estimate) + distill_weight x cross-entropy at the recorded sampler
-   states against the targets (distill.distillation_loss); one AdamW step.
-
-It logs reward, solve rate, steps per canvas and tokens per forward of the student's rollouts, the
-teacher's success rate, the losses, KL and clip fraction (out_dir/log.jsonl), evaluates on `data.eval`
-every `train.eval_every` steps and at the end, and checkpoints and resumes exactly like stage 1 (every
-random draw is a function of the seed and the step): the step above is the function this module hands
-to the shared loop (trainer.loop).
+`dgemma train CONFIG.yaml` runs this when the config has a `stage2:` section (recipes/*-stage2.yaml). Each
+step samples rollouts, scores them with a verifier, and trains on GRPO (rl.py) plus distillation
+(distill.py); the step is handed to the shared loop (trainer.loop). Details: docs/stage2.md, "One step"
+and "How the code is laid out".
 """
 
 from __future__ import annotations

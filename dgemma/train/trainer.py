@@ -1,22 +1,8 @@
 """The training loop, shared by both stages, and stage 1 (block diffusion) on top of it.
 
-A stage builds its model and data (`prepare`, `load_data`), the optimizer and the resumed state
-(`start_run`), then hands `loop` its step as a function, as mlx-lm's `train` takes its loss:
-
-    for step in range(start, train.steps):
-        result = step_fn(step)                  # forward + backward; the stage's own metrics
-        clip gradients; stop on a NaN or infinite loss or gradient (TrainingDiverged)
-        AdamW step; warmup + cosine learning rate
-        every train.eval_every steps: evaluate()     (its metrics join the step's record)
-        every train.log_every steps: one JSON line in out_dir/log.jsonl; the progress bar
-        every train.save_every steps and at the end: a checkpoint (checkpoint.py)
-    evaluate() once more unless the last step just did; out_dir/final: the last checkpoint's model
-
-Stage 1 (`train`, here) passes the block-diffusion step: for each micro-batch of this process's share of
-the global batch, loss = block_diffusion_loss(model, batch) / accumulation; loss.backward(). Stage 2
-(stage2.py) passes rollout + distillation + GRPO. The data position and every sample's noise are
-functions of the step, so a resumed run computes exactly the losses the uninterrupted run would have.
-Under `torchrun`, the model is sharded with FSDP2 and each process takes its slice of the global batch.
+A stage hands `loop` its step as a function; the loop clips, steps AdamW, evaluates, logs and checkpoints,
+and resumes exactly (the data and noise are functions of the step). Stage 1's step is here (`train`).
+Details: docs/training.md, "The training loop".
 """
 
 from __future__ import annotations
