@@ -22,6 +22,7 @@ import code_eval
 
 import dgemma
 from dgemma import editing
+from dgemma.calls import score
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def main() -> None:
         fills = [editing.cut_at_end(model, r.result.tokens[i][:n]) for i, n in enumerate(lengths)]
         after = suffix + editing.end_of_text_ids(model)[:1]
         suffixed = [f + after[: editing.SCORED_SUFFIX] for f in fills]
-        enc = editing.continuation_logprobs(model, prompt, suffixed)
+        enc = score(model, prompt, suffixed).logprobs
         picks = {
             "denoiser": lengths.index(r.middle_length),
             "encoder_sum": max(range(len(lengths)), key=lambda i: float(enc[i].sum())),

@@ -9,9 +9,9 @@ import torch
 from helpers import load_quiet
 
 from dgemma import edit, fill, infill
+from dgemma.calls import score
 from dgemma.editing import (
     SCORED_SUFFIX,
-    continuation_logprobs,
     cut_at_end,
     end_of_text_ids,
     infill_template,
@@ -69,10 +69,10 @@ def test_infill_auto_length_scores_candidates(model, length_score):
     r = infill(model, [5, 6, 7], [40, 41], length_score=length_score, **KW)
     assert set(r.scores) == {2, 4} and r.middle_length == max(r.scores, key=r.scores.get)
     assert r.middle == _cut(r.result.tokens[list(r.scores).index(r.middle_length)][: r.middle_length])
-    for i, (n, score) in enumerate(r.scores.items()):
+    for i, (n, given) in enumerate(r.scores.items()):
         middle = _cut(r.result.tokens[i][:n])
         # batched passes against one row at a time: equal to rounding (fp32, a few ulps of a log-softmax)
-        assert score == pytest.approx(_slow_score(model, [5, 6, 7], middle, [40, 41], length_score), abs=1e-5)
+        assert given == pytest.approx(_slow_score(model, [5, 6, 7], middle, [40, 41], length_score), abs=1e-5)
 
 
 @torch.no_grad()
@@ -136,16 +136,16 @@ def test_public_template_helpers(model):
 
 @torch.no_grad()
 def _slow_logprobs(model, prompt, continuation):
-    """One row, one encode of the whole text: the reference for continuation_logprobs's batched passes."""
+    """One row, one encode of the whole text: the reference for calls.score's batched passes."""
     ids = torch.tensor([prompt + continuation])
     logits = model.encode(ids, model.new_cache(1, ids.shape[1]), return_logits=True).logits[0, :-1]
     return torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
 
 
 @pytest.mark.parametrize("prompt", [[2], [5, 6, 7], list(range(3, 40))])  # the last is longer than a window
-def test_continuation_logprobs_matches_one_row_at_a_time(model, prompt):
+def test_scores_match_one_row_at_a_time(model, prompt):
     rows = [[9], [10, 11, 12, 13], list(range(20, 31))]
-    fast = continuation_logprobs(model, prompt, rows)
+    fast = score(model, prompt, rows).logprobs
     for row, got in zip(rows, fast, strict=True):
         assert got.shape == (len(row),)
         torch.testing.assert_close(got, _slow_logprobs(model, prompt, row), atol=1e-5, rtol=1e-5)
