@@ -57,6 +57,19 @@ def test_openai_parse_returns_the_model(client):
         assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, CalendarEvent)
 
 
+def test_openai_parse_with_the_schemas_pydantic_writes(client):
+    """Nested models, Optional, Enum, Literal, a list of models, a union of models and a recursive model:
+    openai's parse() sends them in its strict form ($defs + $ref, anyOf with null, every key required)."""
+    from test_schemas_pydantic import Node, Order
+
+    for model_class in (Order, Node):
+        r = client.chat.completions.parse(
+            model="tiny", messages=_user("An order, please."), response_format=model_class, seed=0, extra_body=FAST
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model_class), model_class
+
+
 def test_a_streamed_json_answer_ends_with_stop(server):
     schema = CalendarEvent.model_json_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "event", "schema": schema}}

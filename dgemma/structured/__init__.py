@@ -13,8 +13,6 @@ from __future__ import annotations
 from .left_to_right import decode_grammar, generate_json_ar
 from .nodes import MORE, grammar_state
 from .plans import (
-    MAX_VALUES,
-    SMALL_RANGE,
     JsonPlan,
     JsonResult,
     compile_schema,
@@ -24,6 +22,7 @@ from .plans import (
     tool_call_plan,
     unsatisfied,
 )
+from .schema import MAX_VALUES, REF_DEPTH, SMALL_RANGE
 from .tokens import (
     DEFAULT_MAX_ITEMS,
     DEFAULT_RETRIES,

@@ -300,6 +300,63 @@ class _Choice:
         return self.written[r.score(self.span.start, [ids for _, ids in self.written])][0]
 
 
+class _Union:
+    """One of several schemas (anyOf, oneOf, a list of types): laid out and read as the branch a drafted
+    value fits (`accepts`), else as the first that is not null. The answer is validated against the whole
+    schema, so a branch chosen so is checked as any other value."""
+
+    def __init__(self, branches: list[Any]):
+        self.branches = branches
+        self.chosen = next((i for i, b in enumerate(branches) if not _is_null(b)), 0)
+
+    def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
+        fit = next((i for i, b in enumerate(self.branches) if accepts(b, value)), None)
+        if fit is not None:
+            self.chosen = fit
+            self.branches[fit].size(value, c, syntax)
+
+    def layout(self, b: _Layout) -> None:
+        self.branches[self.chosen].layout(b)
+
+    def scan(self, text: str, i: int):
+        for branch in self.branches:
+            yield from branch.scan(text, i)
+
+    def read(self, r: _Read) -> Any:
+        return self.branches[self.chosen].read(r)
+
+
+MISSING = object()  # a key a drafted object does not hold (not the same as its value being null)
+
+
+def _is_null(node: Any) -> bool:
+    return isinstance(node, _Const) and node.value is None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def accepts(node: Any, value: Any) -> bool:
+    """Whether a drafted `value` has the shape of `node`: its JSON type, its constant or one of its options,
+    an object's keys among the node's (and its constants matched): what chooses a union's branch."""
+    if isinstance(node, _Const):
+        return _same(node.value, value)
+    if isinstance(node, _Choice):
+        return any(_same(o, value) for o in node.options)
+    if isinstance(node, _Union):
+        return any(accepts(b, value) for b in node.branches)
+    if isinstance(node, _Object):
+        if not isinstance(value, dict) or not set(value) <= {k for k, _ in node.properties}:
+            return False
+        return all(accepts(n, value[k]) for k, n in node.properties if k in value and isinstance(n, _Const | _Choice))
+    kinds = {_String: str, _Array: list}
+    if isinstance(node, _Number):
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        return numeric and (isinstance(value, int) or not node.integer)
+    return isinstance(value, kinds.get(type(node), ()))
+
+
 class _Object:
     def __init__(self, properties: list[tuple[str, Any]]):
         self.properties = properties
@@ -315,7 +372,7 @@ class _Object:
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
         if isinstance(value, dict):
             for key, node in self.properties:
-                node.size(value.get(key), c, syntax)
+                node.size(value.get(key, MISSING), c, syntax)
 
     def scan(self, text: str, i: int):
         parts = ["{"]

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import itertools
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,152 +17,9 @@ from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
-from .nodes import (
-    _Array,
-    _Choice,
-    _Const,
-    _Invalid,
-    _Layout,
-    _Number,
-    _Object,
-    _Read,
-    _String,
-    json_text,
-)
-from .tokens import (
-    _ANNOTATIONS,
-    _KEYWORDS,
-    DEFAULT_MAX_ITEMS,
-    DEFAULT_STRING_TOKENS,
-    GEMMA_ARGUMENTS,
-    JSON,
-    MAX_DEPTH,
-    MAX_ITEMS,
-    MAX_STRING_TOKENS,
-    StructuredOutputError,
-    Syntax,
-    TokenClasses,
-)
-
-# ------------------------------------------------------------------------------------------------
-# Compiling a schema
-
-
-def _refuse(path: str, message: str) -> StructuredOutputError:
-    return StructuredOutputError(f"schema{path}: {message}")
-
-
-MAX_VALUES = 2048  # values a schema may expand to (arrays count maxItems times): bounds compile work
-
-
-def _expanded(schema: Any, depth: int = 0) -> int:
-    """How many values `schema` lays out once arrays are expanded to maxItems, computed without building
-    them (a hostile schema of nested arrays would otherwise multiply before any check)."""
-    if not isinstance(schema, dict) or depth > MAX_DEPTH:
-        return 1
-    props = schema.get("properties")
-    inner = sum(_expanded(v, depth + 1) for v in props.values()) if isinstance(props, dict) else 0
-    items = schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0) or 0))
-    if "items" in schema and isinstance(items, int) and not isinstance(items, bool):
-        inner += min(max(items, 0), MAX_ITEMS) * _expanded(schema["items"], depth + 1)
-    return 1 + inner
-
-
-def _node(schema: Any, path: str, depth: int):
-    """The node of one (sub)schema; StructuredOutputError names what is not supported, and where."""
-    if not isinstance(schema, dict):
-        raise _refuse(path, "must be an object")
-    if depth > MAX_DEPTH:
-        raise _refuse(path, f"nests deeper than {MAX_DEPTH} levels")
-    if "const" in schema:
-        return _Const(schema["const"])
-    if "enum" in schema:
-        options = schema["enum"]
-        if not isinstance(options, list) or not options or len(options) > 64:
-            raise _refuse(path, "enum must be a list of 1 to 64 values")
-        return _Const(options[0]) if len(options) == 1 else _Choice(list(options))
-    kind = schema.get("type", "object" if "properties" in schema else None)
-    if not isinstance(kind, str) or kind not in _KEYWORDS:
-        raise _refuse(path, f"type must be one of {sorted(_KEYWORDS)} (got {kind!r}); unions are not supported")
-    unknown = set(schema) - _KEYWORDS[kind] - _ANNOTATIONS - {"type"}
-    if unknown:
-        raise _refuse(path, f"{sorted(unknown)} not supported for type {kind!r} (supported: {sorted(_KEYWORDS[kind])})")
-    build = {"object": _object, "array": _array, "string": _string, "boolean": _boolean, "null": _null}
-    if kind in ("integer", "number"):
-        return _number(schema, kind == "integer")
-    return build[kind](schema, path, depth)
-
-
-def _object(schema: dict, path: str, depth: int) -> _Object:
-    props = schema.get("properties", {})
-    if not isinstance(props, dict):
-        raise _refuse(path, "properties must be an object")
-    required = schema.get("required", [])
-    if not isinstance(required, list) or any(k not in props for k in required):
-        raise _refuse(path, "required must list keys of properties")
-    if schema.get("additionalProperties", False) not in (False, True):
-        raise _refuse(path, "additionalProperties must be false or true (a schema for extra keys is not supported)")
-    return _Object([(k, _node(v, f"{path}.properties.{k}", depth + 1)) for k, v in props.items()])
-
-
-def _array(schema: dict, path: str, depth: int) -> _Array:
-    low, high = schema.get("minItems", 0), schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0)))
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (low, high)) or not 0 <= low <= high:
-        raise _refuse(path, "minItems and maxItems must be integers with 0 <= minItems <= maxItems")
-    if high > MAX_ITEMS:
-        raise _refuse(path, f"maxItems is at most {MAX_ITEMS} here (got {high})")
-    if "items" not in schema:
-        raise _refuse(path, "an array needs items (the schema of its elements)")
-    items = [_node(schema["items"], f"{path}.items", depth + 1) for _ in range(high)]
-    return _Array(items, low)
-
-
-def _string(schema: dict, path: str, depth: int) -> _String:
-    high = schema.get("maxLength")
-    low = schema.get("minLength", 0)
-    for name, value in (("maxLength", high), ("minLength", low)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise _refuse(path, f"{name} must be a non-negative integer")
-    budget = DEFAULT_STRING_TOKENS if high is None else min(high + 1, MAX_STRING_TOKENS)
-    return _String(max(budget, low + 1, 1), low, high)
-
-
-SMALL_RANGE = 32  # an integer range with at most this many values is a choice among them
-
-
-def _number(schema: dict, integer: bool) -> _Number | _Choice:
-    """An integer or number hole; a small integer range is a choice of its values (valid by construction)."""
-    bounds = [schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
-    if any(not isinstance(v, int | float) or isinstance(v, bool) for v in bounds):
-        raise StructuredOutputError("schema: minimum and maximum must be numbers")
-    lows = [schema["minimum"]] if "minimum" in schema else []
-    highs = [schema["maximum"]] if "maximum" in schema else []
-    if "exclusiveMinimum" in schema:
-        lows.append(math.floor(schema["exclusiveMinimum"]) + 1 if integer else schema["exclusiveMinimum"])
-    if "exclusiveMaximum" in schema:
-        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1 if integer else schema["exclusiveMaximum"])
-    low, high = (max(lows) if lows else None), (min(highs) if highs else None)
-    if integer and low is not None and high is not None:
-        low, high = math.ceil(low), math.floor(high)
-        if 0 <= high - low < SMALL_RANGE:
-            return _Choice(list(range(low, high + 1)))
-        if 0 <= low <= high:
-            node = _Number(0, False, True, digits=(len(str(low)), len(str(high))))
-            node.bounds = (low, high)
-            return node
-    signed = low is None or low < 0
-    digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
-    node = _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
-    node.bounds = (low, high)
-    return node
-
-
-def _boolean(schema: dict, path: str, depth: int) -> _Choice:
-    return _Choice([True, False])
-
-
-def _null(schema: dict, path: str, depth: int) -> _Const:
-    return _Const(None)
+from .nodes import _Invalid, _Layout, _Read, json_text
+from .schema import MAX_VALUES, build, expanded
+from .tokens import GEMMA_ARGUMENTS, JSON, StructuredOutputError, Syntax, TokenClasses
 
 
 @dataclass
@@ -254,13 +110,13 @@ def _checked(schema: dict):
 
     problem = first_problem(schema, MAX_VALUE_DEPTH)
     if problem is not None:
-        raise _refuse("." + problem[0] if problem[0] else "", problem[1])
+        raise StructuredOutputError(f"schema{'.' + problem[0] if problem[0] else ''}: {problem[1]}")
     try:
         validator = jsonschema.validators.validator_for(schema)
         validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
-    if _expanded(schema) > MAX_VALUES:
+    if expanded(schema) > MAX_VALUES:
         raise StructuredOutputError(f"the schema expands to more than {MAX_VALUES} values (arrays: maxItems each)")
     return validator
 
@@ -269,7 +125,7 @@ def _laid_out(
     schema: dict, validator, tokenizer, vocab_size: int, canvas_length: int, end_id: int, syntax, wrap, draft
 ) -> JsonPlan:
     """`compile_schema` after the checks: a new tree of nodes (sizing changes them), sized and laid out."""
-    root = _node(schema, "", 0)
+    root = build(schema)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     root.size(draft, b.classes, syntax)
     b.text(wrap[0])

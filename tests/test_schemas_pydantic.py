@@ -1,0 +1,121 @@
+"""Schemas as Pydantic writes them (what openai's `parse()` and LangChain send): `$defs` and `$ref`,
+Optional fields (`anyOf` with null), enums, literals, lists of models, unions of models and a recursive
+model compile, and every answer validates against the schema and against the Pydantic model itself."""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Literal, Optional, Union
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+import dgemma
+from dgemma.programs import generate_json
+from dgemma.structured import StructuredOutputError, compile_schema
+from dgemma.tasks.code import MODEL_DIR
+
+KW = dict(max_denoising_steps=6)
+
+
+class Color(enum.StrEnum):
+    red = "red"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str
+    zip: Optional[str] = None  # noqa: UP045 (the spelling users write; Pydantic makes it anyOf [str, null])
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Order(BaseModel):
+    item: str
+    color: Color
+    size: Literal["S", "M", "L"]
+    address: Address
+    lines: list[Address]
+    pet: Union[Cat, Dog]  # noqa: UP007
+    note: str | None
+    count: int | None = None
+
+
+class Node(BaseModel):
+    name: str
+    children: list[Node] = []
+
+
+@pytest.fixture(scope="module")
+def code():
+    return dgemma.load(MODEL_DIR, dtype="fp32"), dgemma.Tokenizer.from_dir(MODEL_DIR)
+
+
+@pytest.mark.parametrize("model_class", [Order, Node, Address])
+def test_pydantic_models_give_answers_that_pydantic_reads(code, model_class):
+    model, tok = code
+    schema = model_class.model_json_schema()
+    for seed in range(2):
+        out = generate_json(model, "# an answer\nvalue = ", schema, tokenizer=tok, seed=seed, retries=4, **KW)
+        jsonschema.validate(out.value, schema)
+        assert model_class.model_validate(out.value) is not None
+        assert json.loads(out.text) == out.value
+
+
+def _plan(code, schema, draft=None):
+    model, tok = code
+    return compile_schema(schema, tok, model.text_config.vocab_size, model.config.canvas_length, 1, draft=draft)
+
+
+def test_a_union_is_laid_out_as_the_branch_the_draft_wrote(code):
+    """The draft chooses the branch: its value's type, and an object's constants (Pydantic's literals)."""
+    _, tok = code
+    schema = Order.model_json_schema()
+
+    def pinned(plan) -> str:
+        return tok.decode([t for t in plan.template if t is not None and t != 1])
+
+    draft = {"pet": {"kind": "dog", "good": True}, "note": None, "count": 3}
+    text = pinned(_plan(code, schema, draft))
+    assert '"pet":{"kind":"dog","good":' in text and '"note":null' in text and '"count":' in text
+    text = pinned(_plan(code, schema, {"pet": {"kind": "cat", "lives": 9}, "note": "hi"}))
+    assert '"pet":{"kind":"cat","lives":' in text and '"note":"' in text and '"note":null' not in text
+    # no draft: the first branch that is not null (a value, not an absent one)
+    assert '"pet":{"kind":"cat"' in pinned(_plan(code, schema))
+
+
+def test_a_recursive_model_stops_at_the_reference_depth(code):
+    from dgemma.structured import REF_DEPTH
+
+    plan = _plan(code, Node.model_json_schema())
+    text = code[1].decode([t for t in plan.template if t is not None and t != 1])
+    level = '{"name":","children":['  # a node's pinned runs, its name's hole between them
+    assert level * REF_DEPTH + "]" in text  # REF_DEPTH levels, the last one's list empty (`[]` pinned)
+    assert level * (REF_DEPTH + 1) not in text
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"$defs": {"A": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}, "recurses deeper than"),
+        (
+            {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"},
+            "recurses deeper than",  # nothing can stop it: no union, no array
+        ),
+        ({"type": "string", "format": "date"}, r"\['format'\] not supported"),
+        ({"anyOf": []}, "not a valid JSON schema"),
+    ],
+)
+def test_references_that_cannot_end_are_refused(code, schema, message):
+    with pytest.raises(StructuredOutputError, match=message):
+        _plan(code, schema)
