@@ -1,0 +1,193 @@
+"""Structured output as real clients ask for it: issue 42's matrix of Pydantic models and SDK calls, over HTTP.
+
+Eight everyday models (nested, Optional, Enum, Literal, a list of models, a union of models, dates and
+UUIDs, a recursive model), each sent by five clients against a live `dgemma serve` of the shipped
+extraction model: openai's `parse()` plain and with `max_tokens=300`, a forced strict tool made by
+`openai.pydantic_function_tool`, and langchain-openai's `with_structured_output` in its `json_schema` and
+`function_calling` methods. A case passes when the client returns the Pydantic object (its own parsing
+and validation); otherwise the table shows the first words of the error. Prints a table and ends with one
+JSON line.
+
+    python benchmarks/client_schemas.py [--seeds 1] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import enum
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import openai
+from pydantic import BaseModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the live server (tests/live_server.py)
+from live_server import KEY, LiveServer
+
+import dgemma
+from dgemma.server.app import create_app
+from dgemma.tasks.extract import MODEL_DIR
+
+
+class Address(BaseModel):
+    city: str
+    street: str
+
+
+class Nested(BaseModel):
+    customer: str
+    address: Address
+
+
+class WithOptional(BaseModel):
+    customer: str
+    note: Optional[str] = None  # noqa: UP045 (as users write it)
+
+
+class Colour(enum.StrEnum):
+    red = "red"
+    blue = "blue"
+    green = "green"
+
+
+class WithEnum(BaseModel):
+    item: str
+    colour: Colour
+
+
+class WithLiteral(BaseModel):
+    item: str
+    shipping: Literal["express", "standard"]
+
+
+class Line(BaseModel):
+    item: str
+    quantity: int
+
+
+class ListOfModels(BaseModel):
+    lines: list[Line]
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    name: str
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class WithUnion(BaseModel):
+    pet: Union[Cat, Dog]  # noqa: UP007
+
+
+class DatesAndIds(BaseModel):
+    order_id: uuid.UUID
+    placed: datetime.date
+    shipped_at: datetime.datetime
+
+
+class Category(BaseModel):
+    name: str
+    children: list[Category] = []
+
+
+MODELS = [Nested, WithOptional, WithEnum, WithLiteral, ListOfModels, WithUnion, DatesAndIds, Category]
+PROMPT = "Ana Lopez from Porto ordered 2 red mugs, express."
+
+
+def _parse(client, model_class, seed, steps, **extra):
+    r = client.chat.completions.parse(
+        model="extract", messages=[{"role": "user", "content": PROMPT}], response_format=model_class,
+        seed=seed, extra_body={"max_denoising_steps": steps}, **extra,
+    )  # fmt: skip
+    choice = r.choices[0]
+    if choice.message.parsed is None or choice.finish_reason != "stop":
+        raise RuntimeError(f"finish_reason {choice.finish_reason}, parsed {choice.message.parsed!r}")
+    return choice.message.parsed
+
+
+def _tool(client, model_class, seed, steps):
+    tool = openai.pydantic_function_tool(model_class)
+    name = tool["function"]["name"]
+    r = client.chat.completions.parse(
+        model="extract", messages=[{"role": "user", "content": PROMPT}], tools=[tool],
+        tool_choice={"type": "function", "function": {"name": name}}, seed=seed,
+        extra_body={"max_denoising_steps": steps},
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls or []
+    if not calls or calls[0].function.parsed_arguments is None:
+        raise RuntimeError(f"no parsed call (finish_reason {r.choices[0].finish_reason})")
+    return calls[0].function.parsed_arguments
+
+
+def _langchain(url, model_class, seed, steps, method):
+    import langchain_openai
+
+    chat = langchain_openai.ChatOpenAI(
+        model="extract", base_url=url + "/v1", api_key=KEY, extra_body={"max_denoising_steps": steps},
+        max_retries=0, seed=seed,
+    )  # fmt: skip
+    out = chat.with_structured_output(model_class, method=method).invoke(PROMPT)
+    if not isinstance(out, model_class):
+        raise RuntimeError(f"got {type(out).__name__}")
+    return out
+
+
+CLIENTS = {
+    "parse": lambda c, url, m, s, n: _parse(c, m, s, n),
+    "parse max_tokens=300": lambda c, url, m, s, n: _parse(c, m, s, n, max_tokens=300),
+    "pydantic_function_tool": lambda c, url, m, s, n: _tool(c, m, s, n),
+    "langchain json_schema": lambda c, url, m, s, n: _langchain(url, m, s, n, "json_schema"),
+    "langchain function_calling": lambda c, url, m, s, n: _langchain(url, m, s, n, "function_calling"),
+}
+
+
+def _reason(error: Exception) -> str:
+    text = str(error).replace("\n", " ")
+    if isinstance(error, openai.APIStatusError):
+        text = (
+            f"{error.status_code} " + (error.body or {}).get("message", text) if isinstance(error.body, dict) else text
+        )
+    return text[:70]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per case (a case passes when every seed does)")
+    parser.add_argument("--steps", type=int, default=6, help="max_denoising_steps")
+    args = parser.parse_args()
+    app = create_app(dgemma.load(MODEL_DIR), dgemma.Tokenizer.from_dir(MODEL_DIR), model_name="extract", api_key=KEY)
+    rows, t0 = [], time.perf_counter()
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+        for model_class in MODELS:
+            for name, call in CLIENTS.items():
+                error = None
+                for seed in range(args.seeds):
+                    try:
+                        call(client, live.url, model_class, seed, args.steps)
+                    except Exception as e:  # a failed case is a row of the table, not the end of the run
+                        error = _reason(e)
+                        break
+                rows.append({"model": model_class.__name__, "client": name, "ok": error is None, "error": error})
+                print(f"{model_class.__name__:>14} {name:<27} {'ok' if error is None else error}", flush=True)
+    passed = sum(r["ok"] for r in rows)
+    print(f"\n| model | {' | '.join(CLIENTS)} |\n|---|{'---|' * len(CLIENTS)}")
+    for model_class in MODELS:
+        cells = ["ok" if r["ok"] else "fail" for r in rows if r["model"] == model_class.__name__]
+        print(f"| {model_class.__name__} | {' | '.join(cells)} |")
+    print(f"\n{passed} of {len(rows)} cases pass ({args.seeds} seed(s) each), {time.perf_counter() - t0:.0f} s")
+    print(json.dumps({"benchmark": "client_schemas", "passed": passed, "cases": len(rows), "seeds": args.seeds,
+                      "failures": [r for r in rows if not r["ok"]]}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
