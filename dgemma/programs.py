@@ -198,6 +198,12 @@ def json_plan(model: DiffusionGemma | Runner, tokenizer, schema: dict | None, le
     return schema_plan(m, tokenizer, schema)
 
 
+def check_limit(plan: JsonPlan, limit: int | None) -> None:
+    """A ValueError when even the shortest valid answer takes more than `limit` tokens."""
+    if limit is not None and plan.smallest > limit:
+        raise ValueError(f"max_new_tokens is {limit}, but the shortest valid answer takes {plan.smallest} tokens")
+
+
 def check_json_options(retries: int, size: str) -> None:
     if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= MAX_RETRIES:
         raise ValueError(f"retries must be an integer in [0, {MAX_RETRIES}]")
@@ -215,22 +221,34 @@ def json_program(
     size: str = "draft",
     write: Callable[[Any], str] = json_text,
     pixels=None,
+    limit: int | None = None,
     **overrides,
 ) -> Program:
     """A JSON answer to `prompt` (one row) by `plan`: sized by a free draft (`size="draft"`, the draft
-    as long as the template, the same sampling) or by the schema alone, filled, read back and validated;
-    an answer that fails is filled again with the next seed, up to `retries` times, then
-    StructuredOutputError. A JsonResult, its text written by `write`; `pixels`: the prompt's images."""
+    as long as the template or `limit`, the same sampling) or by the schema alone, within `limit` tokens
+    (an upper bound, as for text: `JsonPlan.resize`), filled, read back and validated; an answer that
+    fails is filled again with the next seed, up to `retries` times, then StructuredOutputError. A
+    JsonResult, its text written by `write`; `pixels`: the prompt's images."""
     check_json_options(retries, size)
+    check_limit(plan, limit)
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     params = dataclasses.replace(params, early_commit=False)
     seed, errors, steps = params.seed, [], 0
     if size == "draft" and plan.resize is not None:
+        length = min(len(plan.template), limit or len(plan.template))
         draft = yield from result_of(
-            generate_program(runner, [prompt], params, max_new_tokens=len(plan.template), pixels=pixels),
-            passes=(DraftEvent,),
+            generate_program(runner, [prompt], params, max_new_tokens=length, pixels=pixels), passes=(DraftEvent,)
         )
-        plan, steps = plan.resize(plan.classes.tokenizer.decode(draft.tokens[0])), sum(draft.stats.steps_per_canvas[0])
+        text, steps = plan.classes.tokenizer.decode(draft.tokens[0]), sum(draft.stats.steps_per_canvas[0])
+        plan = plan.resize(text, limit)
+    elif plan.resize is not None and limit is not None:
+        plan = plan.resize(None, limit)
+    if plan.fixed:  # the shortest answer was all that fits, and it leaves nothing to choose
+        value, error = yield from read_json(plan, prompt, plan.template[: plan.length])
+        if error is not None:
+            raise unsatisfied(1, error, steps)
+        yield DoneEvent(JsonResult(value, write(value), 1, steps, None, errors))
+        return
     for attempt in range(retries + 1):
         s = None if seed is None else (seed + attempt) % 2**63
         attempt_params = dataclasses.replace(params, seed=s)
@@ -291,17 +309,19 @@ def generate_json(
     """An answer to `prompt` (text or token ids, one row) that is JSON valid against `schema`.
 
     The schema is compiled into a template with constrained holes and filled (dgemma/structured/);
-    `schema=None` asks for any JSON object, in at most `max_new_tokens` (default: the checkpoint's), as
-    free text after a pinned `{`. `size="draft"` (the default) sizes the values by a free draft first,
+    `max_new_tokens` bounds the answer's tokens (a schema's values are then sized within it; refused when
+    even the shortest valid answer does not fit); `schema=None` asks for any JSON object, in at most
+    `max_new_tokens` (default: the checkpoint's), as free text after a pinned `{`. `size="draft"` (the
+    default) sizes the values by a free draft first,
     `"schema"` by the schema's bounds alone. An answer that fails is filled again with the next seed, up
     to `retries` times, then StructuredOutputError. `overrides` set SamplingParams fields."""
     runner = as_runner(model)
     check_json_options(retries, size)
     rows = _one_prompt(prompt, tokenizer, "generate_json")
-    if schema is not None and max_new_tokens is not None:
-        raise ValueError("max_new_tokens does not apply with a schema: the schema sizes the answer")
     plan = json_plan(runner, tokenizer, schema, max_new_tokens or runner.generation_config.max_new_tokens)
-    return run(runner, json_program(runner, plan, rows[0], params, retries=retries, size=size, **overrides))
+    limit = max_new_tokens if schema is not None else None
+    program = json_program(runner, plan, rows[0], params, retries=retries, size=size, limit=limit, **overrides)
+    return run(runner, program)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -438,5 +458,6 @@ def tool_call(
     rows = _one_prompt(prompt, tokenizer, "tool_call")
     check_json_options(retries, size)
     plans = tool_plans(runner, tokenizer, tools)
-    kw = dict(tokenizer=tokenizer, name=name, retries=retries, size=size)
+    limit = overrides.pop("max_new_tokens", None)  # the arguments' upper bound, as generate_json's
+    kw = dict(tokenizer=tokenizer, name=name, retries=retries, size=size, limit=limit)
     return run(runner, tool_call_program(runner, rows[0], plans, params, **kw, **overrides))

@@ -119,3 +119,22 @@ def test_a_recursive_model_stops_at_the_reference_depth(code):
 def test_references_that_cannot_end_are_refused(code, schema, message):
     with pytest.raises(StructuredOutputError, match=message):
         _plan(code, schema)
+
+
+class Small(BaseModel):
+    customer: str
+    city: str
+    quantity: int
+
+
+def test_max_new_tokens_is_an_upper_bound(code):
+    """As for text: the answer's values are sized within it (the draft is drawn within it too), and only a
+    bound below the shortest valid answer is refused, saying how many tokens that answer takes."""
+    model, tok = code
+    schema = Small.model_json_schema()
+    for limit in (24, 40):
+        out = generate_json(model, "# an order\norder = ", schema, tokenizer=tok, seed=0, max_new_tokens=limit, **KW)
+        Small.model_validate(out.value)
+        assert len(tok.encode(out.text, add_special_tokens=False)) <= limit
+    with pytest.raises(ValueError, match=r"max_new_tokens is 3, but the shortest valid answer takes \d+ tokens"):
+        generate_json(model, "x", schema, tokenizer=tok, max_new_tokens=3, **KW)

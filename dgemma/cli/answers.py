@@ -63,14 +63,16 @@ def read_tools(path: Path | None) -> list[dict] | None:
 
 
 def check_answer_args(args: argparse.Namespace) -> None:
-    """The shapes exclude each other and --ar; each sizes its own answer."""
+    """The shapes exclude each other and --ar; --max-new-tokens bounds a JSON answer or a call's arguments."""
     given = [name for name in ("json_schema", "tool_choice", "choices") if getattr(args, name)]
     if len(given) > 1:
         raise ValueError("give one of --json-schema, --tool-choice and --choices")
     if args.tool_choice and not args.tools:
         raise ValueError("--tool-choice needs --tools")
-    if given and (args.ar or args.max_new_tokens is not None):
-        raise ValueError(f"--{given[0].replace('_', '-')} sizes the answer; leave out --ar and --max-new-tokens")
+    if given and args.ar:
+        raise ValueError(f"--{given[0].replace('_', '-')} lays the answer out on the canvas; leave out --ar")
+    if args.choices and args.max_new_tokens is not None:
+        raise ValueError("--choices scores whole options; leave out --max-new-tokens")
 
 
 def answer_shaped(runner, tokenizer, ids: list[int], pixels, args: argparse.Namespace, schema, tools):

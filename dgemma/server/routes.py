@@ -3,8 +3,8 @@ its programs (dgemma/programs.py, one per choice; the same programs the library 
 `engine.submit` -> the choices' pieces streamed or gathered (choices.py, answers.py).
 
 What `max_tokens` (or `max_completion_tokens`) means, per request kind (docs/server.md has the table):
-plain text, the most tokens generated; a JSON answer or a required tool call, the most its template may
-take (the schema sizes the answer; a template longer is a 400); infilling (`suffix`), the middle's
+plain text, the most tokens generated; a JSON answer or a required tool call, the most it may take (its
+values are sized within it; a 400 only when the shortest valid answer does not fit); infilling (`suffix`), the middle's
 length (without it, the length is chosen as `dgemma.infill(middle_length="auto")` chooses it); `choices`,
 the most tokens an option may have.
 """
@@ -168,11 +168,12 @@ async def _json_choices(served: Served, body, prompts: list[list[int]], asked: t
     length = budget(served, requested, longest, param, prompt_param) if schema is None else 0
     where = "response_format.json_schema.schema"  # what a plan that cannot be laid out names
     plan = await tokenize(served, json_plan, served.model, served.tokenizer, schema, length, param=where)
-    params = _shaped_params(served, body, [len(plan.template)], longest, asked)
+    params, limit = _shaped_params(served, body, [plan], longest, asked)
     runner = served.engine.runner
 
     def build(j: int, seed: int | None):
-        return json_program(runner, plan, prompts[j], replace(params, seed=seed), retries=_retries(body), pixels=pixels)
+        given = dict(retries=_retries(body), pixels=pixels, limit=limit)
+        return json_program(runner, plan, prompts[j], replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(p) for p in prompts])
 
@@ -181,15 +182,18 @@ def _retries(body) -> int:
     return DEFAULT_RETRIES if body.retries is None else body.retries
 
 
-def _shaped_params(served: Served, body, templates: list[int], longest: int, asked: tuple):
-    """The settings of an answer laid out by templates (JSON, a tool call): the longest must fit the length
-    asked for and the context."""
+def _shaped_params(served: Served, body, plans: list, longest: int, asked: tuple):
+    """The settings and the token limit of an answer laid out by plans (JSON, a tool call): `max_tokens` is
+    an upper bound, as for text (without it, what the context leaves); refused only when even the shortest
+    valid answer does not fit it."""
     requested, param, prompt_param = asked
-    n = max(templates)
+    n = max(p.smallest for p in plans)
     if requested is not None and requested < n:
-        raise ApiError(400, f"{param} is {requested}, but the answer's template takes {n} tokens", param)
-    budget(served, n, longest, param, prompt_param)
-    return resolve(served, body.sampling(n))
+        raise ApiError(400, f"{param} is {requested}, but the shortest valid answer takes {n} tokens", param)
+    budget(served, n, longest, param, prompt_param)  # the shortest answer fits the context
+    room = (served.context - longest) // served.canvas * served.canvas
+    limit = room if requested is None else budget(served, requested, longest, param, prompt_param)
+    return resolve(served, body.sampling(limit)), limit
 
 
 async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list[dict]):
@@ -208,13 +212,13 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
         plans = await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
     except ApiError as e:  # the message names the tool: "tools.i...: why"
         raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
-    templates = [len(p.template) for n, p in plans if named is None or n == named]
+    callable_ = [p for n, p in plans if named is None or n == named]
     requested, param = body.requested_tokens
-    params = _shaped_params(served, body, templates, len(prompt), (requested, param, "messages"))
+    params, limit = _shaped_params(served, body, callable_, len(prompt), (requested, param, "messages"))
     runner, tok = served.engine.runner, served.tokenizer
 
     def build(_j: int, seed: int | None):
-        given = dict(tokenizer=tok, name=named, retries=_retries(body), pixels=pixels)
+        given = dict(tokenizer=tok, name=named, retries=_retries(body), pixels=pixels, limit=limit)
         return tool_call_program(runner, prompt, plans, replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(prompt)])

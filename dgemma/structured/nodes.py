@@ -357,6 +357,39 @@ def accepts(node: Any, value: Any) -> bool:
     return isinstance(value, kinds.get(type(node), ()))
 
 
+def least(node: Any) -> Any:
+    """The shortest valid value of `node` (written compactly): what an answer is laid out as when nothing
+    longer fits the tokens it may take."""
+    if isinstance(node, _Const):
+        return node.value
+    if isinstance(node, _Choice):
+        return min(node.options, key=lambda o: len(json_text(o)))
+    if isinstance(node, _Union):
+        return min((least(b) for b in node.branches), key=lambda v: len(json_text(v)))
+    if isinstance(node, _Object):
+        return {k: least(n) for k, n in node.properties}
+    if isinstance(node, _Array):
+        return [least(n) for n in node.items[: node.min_items]]
+    if isinstance(node, _String):
+        return "a" * node.min_length
+    low, high = node.bounds
+    return low if low is not None and low > 0 else (0 if high is None or high >= 0 else high)
+
+
+def completed(node: Any, value: Any) -> Any:
+    """A drafted `value` made whole: every part it lacks, or holds with another shape, replaced by the
+    shortest valid one, so that sizing by it leaves nothing at the schema's (longer) layout."""
+    if isinstance(node, _Union):
+        fit = next((b for b in node.branches if accepts(b, value)), None)
+        return least(node) if fit is None else completed(fit, value)
+    if isinstance(node, _Object) and isinstance(value, dict):
+        return {k: completed(n, value.get(k, MISSING)) for k, n in node.properties}
+    if isinstance(node, _Array) and isinstance(value, list):
+        count = min(max(len(value), node.min_items), len(node.items))
+        return [completed(n, value[i] if i < len(value) else MISSING) for i, n in enumerate(node.items[:count])]
+    return value if accepts(node, value) else least(node)
+
+
 class _Object:
     def __init__(self, properties: list[tuple[str, Any]]):
         self.properties = properties

@@ -17,7 +17,7 @@ from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
-from .nodes import _Invalid, _Layout, _Read, json_text
+from .nodes import _Invalid, _Layout, _Read, completed, json_text, least
 from .schema import MAX_VALUES, build, expanded
 from .tokens import GEMMA_ARGUMENTS, JSON, StructuredOutputError, Syntax, TokenClasses
 
@@ -34,8 +34,10 @@ class JsonPlan:
     classes: TokenClasses
     validator: Any = None
     holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole and what ends it
-    resize: Callable[[str], JsonPlan] | None = None  # the plan sized by a free draft's text (schemas only)
+    resize: Callable[..., JsonPlan] | None = None  # (draft text, limit) -> the plan sized by it (schemas only)
     end: int | None = None  # the end-of-text token the template is padded with
+    length: int = 0  # the template's tokens before its end-of-text padding
+    smallest: int = 0  # the tokens of the shortest valid answer's layout (what a limit must leave room for)
 
     @property
     def fixed(self) -> bool:
@@ -132,11 +134,13 @@ def _laid_out(
     root.layout(b)
     b.text(wrap[1])
     b.flush()
-    if not any(x is None for x in b.template) and wrap == ("", ""):
+    if draft is None and not any(x is None for x in b.template) and wrap == ("", ""):
         raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
-    return JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
+    plan = JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
+    plan.length = plan.smallest = len(b.template)
+    return plan
 
 
 def schema_plan(
@@ -156,7 +160,20 @@ def schema_plan(
     validator = _checked(schema)
     read = read_draft or _drafted_json
     plan = _laid_out(schema, validator, *args, None)
-    plan.resize = lambda text: _laid_out(schema, validator, *args, read(text, schema))
+    fewest = least(build(schema))
+    plan.smallest = _laid_out(schema, validator, *args, fewest).length
+
+    def resize(text: str | None, limit: int | None = None) -> JsonPlan:
+        """Sized by a draft's values (None: the schema's layout); past `limit` tokens, by the draft made
+        whole with the shortest valid values where it lacks them, then as the shortest answer."""
+        drafted = None if text is None else read(text, schema)
+        for value in (drafted, completed(build(schema), drafted), fewest):
+            sized = _laid_out(schema, validator, *args, value)
+            if limit is None or sized.length <= limit:
+                return sized
+        return sized
+
+    plan.resize = resize
     return plan
 
 

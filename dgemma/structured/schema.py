@@ -4,7 +4,7 @@ is not supported is refused by name and path (docs/structured.md has the table o
 `$ref` to the schema's own `$defs` / `definitions` is expanded in place; a recursive reference is
 expanded at most `REF_DEPTH` times along a path, where a branch of a union or an array's items can stop
 it (past that the branch is dropped, the array is empty). `anyOf`, `oneOf` and lists of types are unions
-whose branch a draft's value chooses (nodes._Union).
+whose branch a draft's value chooses (nodes._Union); `{}` (any value) is a union of the scalar types.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def _node(schema: Any, path: str, depth: int, refs: _Refs):
         if not isinstance(options, list) or not options or len(options) > 64:
             raise _refuse(path, "enum must be a list of 1 to 64 values")
         return _Const(options[0]) if len(options) == 1 else _Choice(list(options))
+    if not set(schema) - _ANNOTATIONS - set(_DEFINITIONS):  # `{}`: any value (LangChain writes a recursive $ref so)
+        return _union({"type": ["string", "number", "boolean", "null"]}, path, depth, refs)
     kind = schema.get("type", "object" if "properties" in schema else None)
     if not isinstance(kind, str) or kind not in _KEYWORDS:
         raise _refuse(path, f"type must be one of {sorted(_KEYWORDS)} (got {kind!r})")
