@@ -4,9 +4,9 @@ its programs (dgemma/programs.py, one per choice; the same programs the library 
 
 What `max_tokens` (or `max_completion_tokens`) means, per request kind (docs/server.md has the table):
 plain text, the most tokens generated; a JSON answer or a required tool call, the most it may take (its
-values are sized within it; a 400 only when the shortest valid answer does not fit); infilling (`suffix`), the middle's
-length (without it, the length is chosen as `dgemma.infill(middle_length="auto")` chooses it); `choices`,
-the most tokens an option may have.
+values are sized within it; a 400 only when the shortest valid answer does not fit); infilling (`suffix`),
+the middle's length (without it, the length is chosen as `dgemma.infill(middle_length="auto")` chooses
+it); `choices`, the most tokens an option may have.
 """
 
 from __future__ import annotations
