@@ -4,8 +4,10 @@ model compile, and every answer validates against the schema and against the Pyd
 
 from __future__ import annotations
 
+import datetime
 import enum
 import json
+import uuid
 from typing import Literal, Optional, Union
 
 import jsonschema
@@ -51,6 +53,13 @@ class Order(BaseModel):
     count: int | None = None
 
 
+class Stamped(BaseModel):
+    id: uuid.UUID
+    day: datetime.date
+    at: datetime.datetime
+    opens: datetime.time
+
+
 class Node(BaseModel):
     name: str
     children: list[Node] = []
@@ -61,7 +70,7 @@ def code():
     return dgemma.load(MODEL_DIR, dtype="fp32"), dgemma.Tokenizer.from_dir(MODEL_DIR)
 
 
-@pytest.mark.parametrize("model_class", [Order, Node, Address])
+@pytest.mark.parametrize("model_class", [Order, Node, Address, Stamped])
 def test_pydantic_models_give_answers_that_pydantic_reads(code, model_class):
     model, tok = code
     schema = model_class.model_json_schema()
@@ -112,7 +121,8 @@ def test_a_recursive_model_stops_at_the_reference_depth(code):
             {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}, "$ref": "#/$defs/N"},
             "recurses deeper than",  # nothing can stop it: no union, no array
         ),
-        ({"type": "string", "format": "date"}, r"\['format'\] not supported"),
+        ({"type": "string", "format": "email"}, r"format 'email' is not supported \(supported: \['date'"),
+        ({"type": "string", "format": "date", "maxLength": 4}, "do not go with a format"),
         ({"anyOf": []}, "not a valid JSON schema"),
     ],
 )
@@ -138,3 +148,36 @@ def test_max_new_tokens_is_an_upper_bound(code):
         assert len(tok.encode(out.text, add_special_tokens=False)) <= limit
     with pytest.raises(ValueError, match=r"max_new_tokens is 3, but the shortest valid answer takes \d+ tokens"):
         generate_json(model, "x", schema, tokenizer=tok, max_new_tokens=3, **KW)
+
+
+def test_formats_are_read_back_as_values_of_their_shape(code):
+    """Pinned separators, a position per character; a field the fill spells no value of (month 13) is read
+    as the value the model scores best, and a day past its month's end moves to that end."""
+    from dgemma.structured.formats import _Format
+    from dgemma.structured.nodes import _Layout, _Read
+    from dgemma.structured.plans import _classes
+
+    model, tok = code
+    classes = _classes(tok, model.text_config.vocab_size)
+    node = _Format("date")
+    b = _Layout(classes)
+    node.layout(b)
+    b.flush()
+    assert tok.decode([t for t in b.template if t is not None]) == '"--"'  # the quotes and separators pinned
+    ids = {ch: tok.encode(ch, add_special_tokens=False)[0] for ch in "0123456789"}
+
+    def filled(text: str) -> list[int]:
+        chars = iter(text.replace("-", ""))
+        return [ids[next(chars)] if t is None else t for t in b.template]
+
+    asked = []
+
+    def score(position, options):
+        asked.append(len(options))
+        return 1  # the second value: month "02"
+
+    assert node.read(_Read(filled("2025-02-30"), classes, score)) == "2025-02-28" and not asked
+    assert node.read(_Read(filled("2025-13-31"), classes, score)) == "2025-02-28" and asked == [12]
+    root = _Format("date-time")
+    assert list(root.scan('"2025-01-31T23:59:00Z"', 0)) == [22]
+    assert list(root.scan('"2025-01-3', 0)) == [-1] and list(root.scan('"2025-13-01T00:00:00Z"', 0)) == []

@@ -58,11 +58,11 @@ def test_openai_parse_returns_the_model(client):
 
 
 def test_openai_parse_with_the_schemas_pydantic_writes(client):
-    """Nested models, Optional, Enum, Literal, a list of models, a union of models and a recursive model:
+    """Nested models, Optional, Enum, Literal, a list of models, a union, a recursive model, dates and UUIDs:
     openai's parse() sends them in its strict form ($defs + $ref, anyOf with null, every key required)."""
-    from test_schemas_pydantic import Node, Order
+    from test_schemas_pydantic import Node, Order, Stamped
 
-    for model_class in (Order, Node):
+    for model_class in (Order, Node, Stamped):
         r = client.chat.completions.parse(
             model="tiny", messages=_user("An order, please."), response_format=model_class, seed=0, extra_body=FAST
         )

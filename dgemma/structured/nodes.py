@@ -340,6 +340,8 @@ def _same(a: Any, b: Any) -> bool:
 def accepts(node: Any, value: Any) -> bool:
     """Whether a drafted `value` has the shape of `node`: its JSON type, its constant or one of its options,
     an object's keys among the node's (and its constants matched): what chooses a union's branch."""
+    if hasattr(node, "accepts"):  # a node of its own module (formats.py)
+        return node.accepts(value)
     if isinstance(node, _Const):
         return _same(node.value, value)
     if isinstance(node, _Choice):
@@ -360,6 +362,8 @@ def accepts(node: Any, value: Any) -> bool:
 def least(node: Any) -> Any:
     """The shortest valid value of `node` (written compactly): what an answer is laid out as when nothing
     longer fits the tokens it may take."""
+    if hasattr(node, "shortest"):
+        return node.shortest()
     if isinstance(node, _Const):
         return node.value
     if isinstance(node, _Choice):

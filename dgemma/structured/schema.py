@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .formats import FORMATS, _Format
 from .nodes import _Array, _Choice, _Const, _Number, _Object, _String, _Union
 from .tokens import (
     _ANNOTATIONS,
@@ -209,7 +210,14 @@ def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
     return _Array(items, low)
 
 
-def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String:
+def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Format:
+    if "format" in schema:
+        name = schema["format"]
+        if name not in FORMATS:
+            raise _refuse(path, f"format {name!r} is not supported (supported: {sorted(FORMATS)})")
+        if "minLength" in schema or "maxLength" in schema:
+            raise _refuse(path, "minLength and maxLength do not go with a format (its shape fixes the length)")
+        return _Format(name)
     high = schema.get("maxLength")
     low = schema.get("minLength", 0)
     for name, value in (("maxLength", high), ("minLength", low)):
