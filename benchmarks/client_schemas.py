@@ -5,8 +5,8 @@ UUIDs, a recursive model), each sent by five clients against a live `dgemma serv
 extraction model: openai's `parse()` plain and with `max_tokens=300`, a forced strict tool made by
 `openai.pydantic_function_tool`, and langchain-openai's `with_structured_output` in its `json_schema` and
 `function_calling` methods. A case passes when the client returns the Pydantic object (its own parsing
-and validation); otherwise the table shows the first words of the error. Prints a table and ends with one
-JSON line.
+and validation); otherwise the table shows the first words of the error. The last column is the mean
+seconds per answer (each a draft and a fill on the engine). Prints a table and ends with one JSON line.
 
     python benchmarks/client_schemas.py [--seeds 1] [--steps 6]
 """
@@ -170,20 +170,23 @@ def main() -> None:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=600)
         for model_class in MODELS:
             for name, call in CLIENTS.items():
-                error = None
+                error, started = None, time.perf_counter()
                 for seed in range(args.seeds):
                     try:
                         call(client, live.url, model_class, seed, args.steps)
                     except Exception as e:  # a failed case is a row of the table, not the end of the run
                         error = _reason(e)
                         break
-                rows.append({"model": model_class.__name__, "client": name, "ok": error is None, "error": error})
+                seconds = (time.perf_counter() - started) / args.seeds
+                rows.append({"model": model_class.__name__, "client": name, "ok": error is None, "error": error,
+                             "seconds": round(seconds, 3)})  # fmt: skip
                 print(f"{model_class.__name__:>14} {name:<27} {'ok' if error is None else error}", flush=True)
     passed = sum(r["ok"] for r in rows)
-    print(f"\n| model | {' | '.join(CLIENTS)} |\n|---|{'---|' * len(CLIENTS)}")
+    print(f"\n| model | {' | '.join(CLIENTS)} | s per answer |\n|---|{'---|' * (len(CLIENTS) + 1)}")
     for model_class in MODELS:
-        cells = ["ok" if r["ok"] else "fail" for r in rows if r["model"] == model_class.__name__]
-        print(f"| {model_class.__name__} | {' | '.join(cells)} |")
+        mine = [r for r in rows if r["model"] == model_class.__name__]
+        cells = ["ok" if r["ok"] else "fail" for r in mine]
+        print(f"| {model_class.__name__} | {' | '.join(cells)} | {sum(r['seconds'] for r in mine) / len(mine):.2f} |")
     print(f"\n{passed} of {len(rows)} cases pass ({args.seeds} seed(s) each), {time.perf_counter() - t0:.0f} s")
     print(json.dumps({"benchmark": "client_schemas", "passed": passed, "cases": len(rows), "seeds": args.seeds,
                       "failures": [r for r in rows if not r["ok"]]}))  # fmt: skip
