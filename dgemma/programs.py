@@ -439,6 +439,35 @@ def tool_call_program(
     yield DoneEvent(ToolCall(name, answer.value, answer.text, scores, answer))
 
 
+def auto_program(
+    runner: Runner,
+    prompt: list[int],
+    plans: list[tuple[str, JsonPlan]],
+    params: SamplingParams | None = None,
+    *,
+    tokenizer,
+    retries: int = DEFAULT_RETRIES,
+    size: str = "draft",
+    limit: int | None = None,
+    logprobs: int | None = None,
+    pixels=None,
+    **overrides,
+) -> Program:
+    """tool_choice "auto": the model decides between text and a call by its own scores. One Score call
+    reads the encoder's likeliest first token of the answer: a call's opening token, and the answer is
+    a call (`tool_call_program`: the function it scores best, its arguments by construction); anything
+    else, and the answer is text (the canvas loop, its tokens streamed). A ToolCall or a GenerationResult."""
+    opening = tokenizer.encode(CALL_OPEN, add_special_tokens=False)[:1]
+    scored = yield ScoreCall(prompt, [opening], top=1)
+    if scored.top[0][0][0][0] == opening[0]:
+        given = dict(tokenizer=tokenizer, retries=retries, size=size, limit=limit, pixels=pixels)
+        call = tool_call_program(runner, prompt, plans, params, **given, **overrides)
+        yield DoneEvent((yield from result_of(call, passes=(DraftEvent,))))
+        return
+    length = {} if limit is None else {"max_new_tokens": limit}
+    yield from generate_program(runner, [prompt], params, logprobs=logprobs, pixels=pixels, **length, **overrides)
+
+
 def tool_call(
     model: Runner | Any,
     prompt,
@@ -453,11 +482,21 @@ def tool_call(
 ) -> ToolCall:
     """A call of one of `tools` as the answer to `prompt` (one row, usually a chat prompt that declares
     the tools): the function `name`, or the one the model scores best, with arguments valid against its
-    `parameters` schema (what a server's tool_choice "required" or a named function gives)."""
+    `parameters` schema (what a server's tool_choice "required" or a named function gives). With
+    `name="auto"` the model decides between a call and text (`auto_program`): a ToolCall, or the
+    GenerationResult of its text."""
     runner = as_runner(model)
     rows = _one_prompt(prompt, tokenizer, "tool_call")
     check_json_options(retries, size)
     plans = tool_plans(runner, tokenizer, tools)
     limit = overrides.pop("max_new_tokens", None)  # the arguments' upper bound, as generate_json's
-    kw = dict(tokenizer=tokenizer, name=name, retries=retries, size=size, limit=limit)
-    return run(runner, tool_call_program(runner, rows[0], plans, params, **kw, **overrides))
+    kw = dict(tokenizer=tokenizer, retries=retries, size=size, limit=limit)
+    if name == "auto":
+        return _decoded_text(run(runner, auto_program(runner, rows[0], plans, params, **kw, **overrides)), tokenizer)
+    return run(runner, tool_call_program(runner, rows[0], plans, params, name=name, **kw, **overrides))
+
+
+def _decoded_text(out, tokenizer):
+    if isinstance(out, GenerationResult):
+        out.text = [tokenizer.decode(t) for t in out.tokens]
+    return out

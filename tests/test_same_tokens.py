@@ -105,6 +105,15 @@ def test_required_tool_calls_are_one_program_everywhere(server, model_dir, capsy
     served = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]["tool_calls"][0]["function"]
     assert (api.name, api.arguments) == (cli["tool_call"]["name"], cli["tool_call"]["arguments"])
     assert (api.name, api.arguments) == (served["name"], json.loads(served["arguments"]))
+    # tool_choice "auto": the model's scores choose text or a call, the same way everywhere
+    api = dgemma.tool_call(model, ids, TOOLS, tokenizer=tok, name="auto", **SHAPED)
+    cli = _cli(capsys, *argv, "--tool-choice", "auto")
+    body = {"messages": [{"role": "user", "content": PROMPT}], "tools": TOOLS, **SHAPED}
+    served = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    if isinstance(api, dgemma.programs.ToolCall):
+        assert api.name == cli["tool_call"]["name"] == served["tool_calls"][0]["function"]["name"]
+    else:
+        assert api.text[0] == cli["text"] == served["content"] and cli["tool_call"] is None
 
 
 def test_infill_is_one_program_everywhere(server, model_dir, capsys):

@@ -218,3 +218,8 @@ def test_reasoning_and_tool_call_parsing():
     assert "".join(t for k, t in pieces if k == "content") == "Hello " and s.stopped
     quiet = StreamText(None, reasoning=False)
     assert quiet.feed("<|channel>thought\n<channel|>Hi", final=True) == [("content", "Hi")]
+    # a character whose bytes are split across canvases decodes as U+FFFD until its last token arrives
+    split = StreamText(None, reasoning=False)
+    assert split.feed("ab\ufffd") == [("content", "ab")]
+    assert split.feed("ab\u0127c") + split.feed("ab\u0127c", final=True) == [("content", "\u0127c")]
+    assert StreamText(None, reasoning=False).feed("x\ufffd", final=True) == [("content", "x\ufffd")]

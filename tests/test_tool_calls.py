@@ -297,3 +297,59 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], **extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.parametrize("calls", [True, False])
+def test_auto_is_the_models_choice_between_a_call_and_text(model_dir, calls):
+    """tool_choice "auto": one Score call reads the likeliest first token; a call's opening makes the answer
+    a call by construction, anything else text. The score is given here (a random model would rarely open
+    a call), every other model call is answered by the model."""
+    from helpers import load_quiet
+
+    import dgemma
+    from dgemma.calls import DoneEvent, ScoreCall, Scores, answer
+    from dgemma.generate import GenerationResult
+    from dgemma.programs import ToolCall, auto_program, tool_plans
+    from dgemma.runtime.runner import as_runner
+    from dgemma.tool_calls import CALL_OPEN
+
+    runner, tok = as_runner(load_quiet(model_dir)), dgemma.Tokenizer.from_dir(model_dir)
+    opening = tok.encode(CALL_OPEN, add_special_tokens=False)[0]
+    first = opening if calls else (opening + 1) % runner.text_config.vocab_size
+    prompt = tok.encode("Weather in Paris?")
+    program = auto_program(runner, prompt, tool_plans(runner, tok, [WEATHER]), tokenizer=tok, seed=0, **FAST)
+    reply, result = None, None
+    while result is None:
+        item = program.send(reply)
+        if isinstance(item, ScoreCall):
+            reply = Scores([], top=[[[(first, -0.1)]]])
+        elif isinstance(item, DoneEvent):
+            result = item.result
+        else:
+            reply = None if not hasattr(item, "cache") else answer(runner, item)
+    if calls:
+        assert isinstance(result, ToolCall) and result.name == "get_weather"
+        jsonschema.validate(result.arguments, WEATHER["function"]["parameters"])
+    else:
+        assert isinstance(result, GenerationResult) and result.tokens[0]
+
+
+def test_auto_on_the_server_and_in_the_library_agree(client, model_dir):
+    """The server's tool_choice "auto" (default with tools) and `dgemma.tool_call(name="auto")` run the same
+    program: the same answer for the same seed (here text: the random model does not open a call)."""
+    from helpers import load_quiet
+
+    import dgemma
+    from dgemma.checkpoints.tokenizer import Tokenizer
+    from dgemma.programs import ToolCall
+
+    tok = Tokenizer.from_dir(model_dir)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt, _ = dgemma.images.chat_prompt(tok, load_quiet(model_dir).config, messages, tools=[WEATHER])
+    out = dgemma.tool_call(load_quiet(model_dir), prompt, [WEATHER], tokenizer=tok, name="auto", seed=4, **FAST)
+    served = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], seed=4, extra_body=FAST)
+    message = served.choices[0].message
+    if isinstance(out, ToolCall):
+        assert message.tool_calls[0].function.name == out.name
+    else:
+        assert message.content == out.text[0] and not message.tool_calls

@@ -8,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..generate import GenerationResult
 from ..programs import MAX_RETRIES, choose, generate_json, tool_call
 from ..structured import DEFAULT_RETRIES
 from .common import read_text, sampling_overrides
@@ -30,9 +31,10 @@ def add_answer_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tool-choice",
-        metavar="required|NAME",
+        metavar="auto|required|NAME",
         help="the answer is a call: of the function NAME, or (required) of the one the model scores best; "
-        "its arguments valid against its parameters schema (the server's tool_choice)",
+        "its arguments valid against its parameters schema; auto: the model's scores choose between a call "
+        "and text (the server's tool_choice)",
     )
     p.add_argument(
         "--choices",
@@ -86,6 +88,8 @@ def answer_shaped(runner, tokenizer, ids: list[int], pixels, args: argparse.Name
     elif args.tool_choice:
         name = None if args.tool_choice == "required" else args.tool_choice
         call = tool_call(runner, ids, tools, name=name, retries=args.retries, pixels=pixels, **kw)
+        if isinstance(call, GenerationResult):  # auto, and the model answered with text
+            return call, call.text[0], {"tool_call": None}
         extra = {"tool_call": {"name": call.name, "arguments": call.arguments}, "scores": call.scores}
         result, text = (call.json.result if call.json else None), call.text
     elif args.choices:

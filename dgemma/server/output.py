@@ -59,8 +59,9 @@ class StreamText:
         self.cut = -1  # with a stop string: where it starts in the decoded text (the text ends there)
 
     def _holdback(self, text: str) -> int:
-        """How many trailing characters might begin a stop string or a marker."""
-        keep = 0
+        """How many trailing characters might begin a stop string or a marker, or are U+FFFD: the bytes of a
+        character whose tokens have not all arrived decode so, and become that character once they do."""
+        keep = len(text) - len(text.rstrip("\ufffd"))
         for s in [*self.stops, THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN]:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):

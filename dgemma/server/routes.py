@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from ..editing import canvas_logprobs_program, plan_infill
 from ..images import DEFAULT_BUDGET, chat_prompt
 from ..programs import (
+    auto_program,
     choose_program,
     generate_program,
     infill_program,
@@ -116,6 +117,8 @@ async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
         choices = await _chosen(served, body, [prompt], requested, param)
     elif body.forced_call:
         choices = await _call_choices(served, body, prompt, pixels, tools)
+    elif use_tools and _decides(body, pixels):
+        choices = await _auto_choices(served, body, prompt, tools)
     else:
         choices = await _json_choices(served, body, [prompt], (requested, param, "messages"), pixels)
         choices = choices or _chat_choices(served, body, prompt, pixels)
@@ -220,6 +223,32 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     def build(_j: int, seed: int | None):
         given = dict(tokenizer=tok, name=named, retries=_retries(body), pixels=pixels, limit=limit)
         return tool_call_program(runner, prompt, plans, replace(params, seed=seed), **given)
+
+    return _submit(served, body, build, params, [len(prompt)])
+
+
+def _decides(body: ChatCompletionRequest, pixels) -> bool:
+    """Whether tool_choice "auto" is the model's choice between text and a call by its scores
+    (`auto_program`): a text prompt whose answer starts with either (no thinking first), no JSON format, no
+    stop strings or logprobs (those are for text); otherwise the answer is free text, calls read out of it."""
+    plain = body.response_format is None or body.response_format.type == "text"
+    return pixels is None and plain and not (body.reasoning or body.stop or body.logprobs)
+
+
+async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], tools: list[dict]):
+    """tool_choice "auto": per choice, the model's scores decide between text and a call (a call's
+    arguments by construction, within max_tokens as text's tokens are)."""
+    try:
+        plans = await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
+    except ApiError as e:  # the message names the tool: "tools.i...: why"
+        raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
+    requested, param = body.requested_tokens
+    params = resolve(served, body.sampling(budget(served, requested, len(prompt), param, "messages")))
+    runner, tok = served.engine.runner, served.tokenizer
+
+    def build(_j: int, seed: int | None):
+        given = dict(tokenizer=tok, retries=_retries(body), limit=params.max_new_tokens)
+        return auto_program(runner, prompt, plans, replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(prompt)])
 
