@@ -181,3 +181,22 @@ def test_formats_are_read_back_as_values_of_their_shape(code):
     root = _Format("date-time")
     assert list(root.scan('"2025-01-31T23:59:00Z"', 0)) == [22]
     assert list(root.scan('"2025-01-3', 0)) == [-1] and list(root.scan('"2025-13-01T00:00:00Z"', 0)) == []
+
+
+@pytest.mark.parametrize(
+    "schema, values",
+    [
+        ({"type": "integer", "multipleOf": 5, "minimum": 3, "maximum": 40}, {5, 10, 15, 20, 25, 30, 35, 40}),
+        ({"type": "integer", "multipleOf": 25, "minimum": 0, "maximum": 5000}, None),  # digit by digit, rounded
+        ({"type": "integer", "multipleOf": 7}, None),  # unbounded, rounded
+    ],
+)
+def test_integer_multiples_are_valid_by_construction(code, schema, values):
+    model, tok = code
+    wrapped = {"type": "object", "properties": {"n": schema}, "required": ["n"], "additionalProperties": False}
+    for seed in range(3):
+        out = generate_json(model, "# a count\nconfig = ", wrapped, tokenizer=tok, seed=seed, retries=0, **KW)
+        jsonschema.validate(out.value, wrapped)
+        assert values is None or out.value["n"] in values
+    with pytest.raises(StructuredOutputError, match="multipleOf"):
+        _plan(code, {"type": "number", "multipleOf": 0.5})

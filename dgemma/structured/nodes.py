@@ -239,7 +239,16 @@ class _Number:
                 raise _Invalid(f"{text!r} is not a number")
             negative = self.sign is not None and r.classes.texts[r.tokens[self.sign.start]] == "-"
         number = ("-" if negative else "") + m.group(0)
-        return int(number) if self.integer or m.group(1) is None else float(number)
+        value = int(number) if self.integer or m.group(1) is None else float(number)
+        return value if self.multiple is None else self._nearest_multiple(value)
+
+    multiple: int | None = None  # an integer's multipleOf (set by schema._number): read as the nearest
+
+    def _nearest_multiple(self, value: int) -> int:
+        """The multiple of `multiple` nearest `value`, within the bounds (themselves multiples)."""
+        m, (low, high) = self.multiple, self.bounds
+        value = round(value / m) * m
+        return min(max(value, low if low is not None else value), high if high is not None else value)
 
 
 class _Choice:

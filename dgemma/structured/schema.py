@@ -239,16 +239,23 @@ def _number(schema: dict, integer: bool) -> _Number | _Choice:
     if "exclusiveMaximum" in schema:
         highs.append(math.ceil(schema["exclusiveMaximum"]) - 1 if integer else schema["exclusiveMaximum"])
     low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+    step = schema.get("multipleOf", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise StructuredOutputError("schema: multipleOf is supported as a positive integer, on integers")
+    if integer:  # the bounds moved to multiples: every value read back is rounded to the nearest one
+        low = None if low is None else math.ceil(low / step) * step
+        high = None if high is None else math.floor(high / step) * step
     if integer and low is not None and high is not None:
-        low, high = math.ceil(low), math.floor(high)
-        if 0 <= high - low < SMALL_RANGE:
-            return _Choice(list(range(low, high + 1)))
-        if 0 <= low <= high:
+        if low > high:
+            raise StructuredOutputError(f"schema: no integer multiple of {step} lies within the bounds")
+        if (high - low) // step < SMALL_RANGE:
+            return _Choice(list(range(low, high + 1, step)))
+        if low >= 0:
             node = _Number(0, False, True, digits=(len(str(low)), len(str(high))))
-            node.bounds = (low, high)
+            node.bounds, node.multiple = (low, high), (step if step > 1 else None)
             return node
     signed = low is None or low < 0
     digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
     node = _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
-    node.bounds = (low, high)
+    node.bounds, node.multiple = (low, high), (step if step > 1 else None)
     return node

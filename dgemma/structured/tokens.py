@@ -24,7 +24,7 @@ _KEYWORDS = {
     "object": {"properties", "required", "additionalProperties"},
     "array": {"items", "minItems", "maxItems"},
     "string": {"minLength", "maxLength", "format"},
-    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": set(),
     "null": set(),
