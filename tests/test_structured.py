@@ -129,9 +129,12 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
 
 def test_a_schema_no_answer_can_meet_fails_clearly_after_its_retries(code):
     model, tok = code
-    impossible = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}
+    impossible = {"type": "object", "properties": {"n": {"type": "string", "minLength": 5, "maxLength": 2}}}
     with pytest.raises(StructuredOutputError, match="in 2 attempts"):
         generate_json(model, "x = ", impossible, tokenizer=tok, seed=0, retries=1, **KW)
+    empty = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}
+    with pytest.raises(StructuredOutputError, match="no integer lies within the bounds"):  # before any pass
+        generate_json(model, "x = ", empty, tokenizer=tok, seed=0, retries=1, **KW)
 
 
 @pytest.mark.parametrize(

@@ -247,7 +247,8 @@ def _number(schema: dict, integer: bool) -> _Number | _Choice:
         high = None if high is None else math.floor(high / step) * step
     if integer and low is not None and high is not None:
         if low > high:
-            raise StructuredOutputError(f"schema: no integer multiple of {step} lies within the bounds")
+            what = "integer" if step == 1 else f"integer multiple of {step}"
+            raise StructuredOutputError(f"schema: no {what} lies within the bounds")
         if (high - low) // step < SMALL_RANGE:
             return _Choice(list(range(low, high + 1, step)))
         if low >= 0:
