@@ -1,10 +1,11 @@
 """Structured output as real clients ask for it: issue 42's matrix of Pydantic models and SDK calls, over HTTP.
 
 Eight everyday models (nested, Optional, Enum, Literal, a list of models, a union of models, dates and
-UUIDs, a recursive model), each sent by five clients against a live `dgemma serve` of the shipped
+UUIDs, a recursive model), each sent by seven clients against a live `dgemma serve` of the shipped
 extraction model: openai's `parse()` plain and with `max_tokens=300`, a forced strict tool made by
-`openai.pydantic_function_tool`, and langchain-openai's `with_structured_output` in its `json_schema` and
-`function_calling` methods. A case passes when the client returns the Pydantic object (its own parsing
+`openai.pydantic_function_tool`, langchain-openai's `with_structured_output` in its `json_schema` and
+`function_calling` methods, and instructor in its TOOLS and JSON_SCHEMA modes (where it is installed:
+`pip install instructor`). A case passes when the client returns the Pydantic object (its own parsing
 and validation); otherwise the table shows the first words of the error. The last column is the mean
 seconds per answer (each a draft and a fill on the engine). Prints a table and ends with one JSON line.
 
@@ -141,12 +142,24 @@ def _langchain(url, model_class, seed, steps, method):
     return out
 
 
+def _instructor(client, model_class, seed, steps, mode):
+    import instructor
+
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    return patched.chat.completions.create(
+        model="extract", messages=[{"role": "user", "content": PROMPT}], response_model=model_class, seed=seed,
+        max_retries=0, extra_body={"max_denoising_steps": steps},
+    )  # fmt: skip
+
+
 CLIENTS = {
     "parse": lambda c, url, m, s, n: _parse(c, m, s, n),
     "parse max_tokens=300": lambda c, url, m, s, n: _parse(c, m, s, n, max_tokens=300),
     "pydantic_function_tool": lambda c, url, m, s, n: _tool(c, m, s, n),
     "langchain json_schema": lambda c, url, m, s, n: _langchain(url, m, s, n, "json_schema"),
     "langchain function_calling": lambda c, url, m, s, n: _langchain(url, m, s, n, "function_calling"),
+    "instructor TOOLS": lambda c, url, m, s, n: _instructor(c, m, s, n, "TOOLS"),
+    "instructor JSON_SCHEMA": lambda c, url, m, s, n: _instructor(c, m, s, n, "JSON_SCHEMA"),
 }
 
 

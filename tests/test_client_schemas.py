@@ -1,7 +1,8 @@
 """Issue 42's matrix, in the suite: eight everyday Pydantic models, each sent by real clients (openai's
 `parse()` plain and with `max_tokens=300`, a forced `pydantic_function_tool`, langchain-openai's
-`with_structured_output` in both methods) to a live server of the shipped extraction model, and streamed
-over plain HTTP; every answer is read back by the client (its own parsing and validation)."""
+`with_structured_output` in both methods, instructor in its TOOLS and JSON_SCHEMA modes) to a live server
+of the shipped extraction model, and streamed over plain HTTP; every answer is read back by the client
+(its own parsing and validation)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,21 @@ def extract_server():
         yield live
 
 
+# instructor's TOOLS prompt takes 328 of the shipped model's 512 positions: the shortest valid call with a
+# date, a datetime and a UUID (a position per character) does not fit, and that is a clear 400
+TOO_LONG = {("instructor TOOLS", "DatesAndIds")}
+
+
 @pytest.mark.parametrize("client_name", list(CLIENTS))
 def test_every_model_through_every_client(extract_server, client_name):
+    if client_name.startswith("instructor"):
+        pytest.importorskip("instructor")
     client = openai.OpenAI(base_url=extract_server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     for model_class in MODELS:
+        if (client_name, model_class.__name__) in TOO_LONG:
+            with pytest.raises(Exception, match="context_length_exceeded"):
+                CLIENTS[client_name](client, extract_server.url, model_class, 0, STEPS)
+            continue
         out = CLIENTS[client_name](client, extract_server.url, model_class, 0, STEPS)
         assert isinstance(out, model_class), (client_name, model_class)
 

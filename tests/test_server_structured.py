@@ -84,7 +84,7 @@ def test_a_streamed_json_answer_arrives_whole(client):
 
 
 def test_no_valid_answer_is_a_422_after_the_retries(server):
-    impossible = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}
+    impossible = {"type": "object", "properties": {"n": {"type": "string", "minLength": 5, "maxLength": 2}}}
     body = {"messages": [{"role": "user", "content": "x"}], "response_format": _format(impossible), **FAST}
     r = _post(server, "/v1/chat/completions", body)
     assert r.status_code == 422, r.text
@@ -96,6 +96,9 @@ def test_no_valid_answer_is_a_422_after_the_retries(server):
     assert r.status_code == 422 and "in 1 attempts" in r.json()["error"]["message"], r.text
     r = _post(server, "/v1/completions", {"prompt": "x", "retries": 1, **FAST})
     assert r.status_code == 400 and r.json()["error"]["param"] == "retries", r.text
+    empty = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}
+    r = _post(server, "/v1/chat/completions", {**body, "response_format": _format(empty)})  # refused up front
+    assert r.status_code == 400 and "no integer lies within the bounds" in r.json()["error"]["message"], r.text
     r = _post(server, "/v1/completions", {"prompt": "x", "response_format": _format(impossible), "retries": 9})
     assert r.status_code == 400 and r.json()["error"]["param"] == "retries", r.text
 

@@ -193,8 +193,13 @@ def _shaped_params(served: Served, body, plans: list, longest: int, asked: tuple
     n = max(p.smallest for p in plans)
     if requested is not None and requested < n:
         raise ApiError(400, f"{param} is {requested}, but the shortest valid answer takes {n} tokens", param)
-    budget(served, n, longest, param, prompt_param)  # the shortest answer fits the context
     room = (served.context - longest) // served.canvas * served.canvas
+    if n > room:
+        message = (
+            f"the shortest valid answer takes {n} tokens, but with a prompt of {longest} tokens at most {room} "
+            f"fit in the context of {served.context} (whole canvases of {served.canvas})"
+        )
+        raise ApiError(400, message, prompt_param, code="context_length_exceeded")
     limit = room if requested is None else budget(served, requested, longest, param, prompt_param)
     return resolve(served, body.sampling(limit)), limit
 
