@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .formats import FORMATS, _Format
+from .formats import FORMATS, _Format, pattern_parts
 from .nodes import _Array, _Choice, _Const, _Number, _Object, _String, _Union
 from .tokens import (
     _ANNOTATIONS,
@@ -211,6 +211,14 @@ def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
 
 
 def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Format:
+    if "pattern" in schema:
+        if "format" in schema or "minLength" in schema or "maxLength" in schema:
+            raise _refuse(path, "pattern goes alone here (its fixed length sets the string's)")
+        pattern = schema["pattern"]
+        try:
+            return _Format("pattern", pattern_parts(pattern))
+        except StructuredOutputError as e:
+            raise _refuse(path, str(e)) from None
     if "format" in schema:
         name = schema["format"]
         if name not in FORMATS:

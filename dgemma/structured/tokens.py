@@ -23,7 +23,7 @@ _ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default",
 _KEYWORDS = {
     "object": {"properties", "required", "additionalProperties"},
     "array": {"items", "minItems", "maxItems"},
-    "string": {"minLength", "maxLength", "format"},
+    "string": {"minLength", "maxLength", "format", "pattern"},
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": set(),
