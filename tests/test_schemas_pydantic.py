@@ -236,3 +236,21 @@ def test_fixed_length_patterns_are_valid_by_construction(code, pattern, examples
 def test_other_patterns_are_refused_by_name(code, pattern, message):
     with pytest.raises(StructuredOutputError, match=re.escape(message) if "BRANCH" not in message else message):
         _plan(code, {"type": "string", "pattern": pattern})
+
+
+def test_hostile_schemas_are_refused_before_the_work_they_ask_for(code):
+    """Definitions that each refer to many others (30^8 values if expanded), a repetition of a million, a
+    reference cycle with no value in it: each is refused at once."""
+    import time
+
+    defs = {f"D{i}": {"type": "object", "properties": {f"p{k}": {"$ref": f"#/$defs/D{i + 1}"} for k in range(30)}}
+            for i in range(8)}  # fmt: skip
+    defs["D8"] = {"type": "integer"}
+    cases = [
+        ({"$defs": defs, "$ref": "#/$defs/D0"}, "expands to more than"),
+        ({"type": "string", "pattern": r"\d{1000000}"}, "fixes more than"),
+        ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}, "recurses deeper"),
+    ]
+    for schema, message in cases:
+        with pytest.raises(StructuredOutputError, match=message):
+            _plan(code, schema)

@@ -91,6 +91,8 @@ def _expand(items: list, chars: list[str], pattern: str) -> None:
         elif op in (_parser.MAX_REPEAT, _parser.MIN_REPEAT) and arg[0] == arg[1]:
             for _ in range(arg[0]):
                 _expand(list(arg[2]), chars, pattern)
+                if len(chars) > MAX_PATTERN_CHARS:  # before a repetition of a million is written out
+                    raise StructuredOutputError(f"pattern {pattern!r} fixes more than {MAX_PATTERN_CHARS} characters")
         elif op is _parser.SUBPATTERN:
             _expand(list(arg[3]), chars, pattern)
         else:

@@ -76,6 +76,8 @@ def expanded(schema: Any) -> int:
 
 
 def _expanded(schema: Any, depth: int, refs: _Refs) -> int:
+    """The count, stopped as soon as it passes MAX_VALUES: each value visited counts at least one, so the
+    work is bounded too (distinct definitions that each refer to many others would otherwise multiply)."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return 1
     if "$ref" in schema:
@@ -88,14 +90,18 @@ def _expanded(schema: Any, depth: int, refs: _Refs) -> int:
             return _expanded(target, depth, refs)
         finally:
             refs.open.pop()
-    branches = [b for key in _UNIONS for b in (schema.get(key) if isinstance(schema.get(key), list) else [])]
-    inner = sum(_expanded(b, depth + 1, refs) for b in branches[: MAX_BRANCHES + 1])
     props = schema.get("properties")
-    inner += sum(_expanded(v, depth + 1, refs) for v in props.values()) if isinstance(props, dict) else 0
+    inner = [b for key in _UNIONS for b in (schema.get(key) if isinstance(schema.get(key), list) else [])]
+    inner = inner[: MAX_BRANCHES + 1] + (list(props.values()) if isinstance(props, dict) else [])
+    total = 1
+    for sub in inner:
+        total += _expanded(sub, depth + 1, refs)
+        if total > MAX_VALUES:
+            return total
     items = schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0) or 0))
     if "items" in schema and isinstance(items, int) and not isinstance(items, bool):
-        inner += min(max(items, 0), MAX_ITEMS) * _expanded(schema["items"], depth + 1, refs)
-    return 1 + inner
+        total += min(max(items, 0), MAX_ITEMS) * _expanded(schema["items"], depth + 1, refs)
+    return total
 
 
 def _node(schema: Any, path: str, depth: int, refs: _Refs):
