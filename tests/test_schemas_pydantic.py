@@ -241,7 +241,6 @@ def test_other_patterns_are_refused_by_name(code, pattern, message):
 def test_hostile_schemas_are_refused_before_the_work_they_ask_for(code):
     """Definitions that each refer to many others (30^8 values if expanded), a repetition of a million, a
     reference cycle with no value in it: each is refused at once."""
-    import time
 
     defs = {f"D{i}": {"type": "object", "properties": {f"p{k}": {"$ref": f"#/$defs/D{i + 1}"} for k in range(30)}}
             for i in range(8)}  # fmt: skip
