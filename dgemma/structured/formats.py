@@ -1,4 +1,4 @@
-"""String formats of a fixed shape (date, time, date-time, uuid), valid by construction.
+"""String formats of a fixed shape (date, time, date-time, uuid, duration), valid by construction.
 
 The separators are pinned and every other character is a position of its own, restricted to the
 single-character tokens that may stand there; a field whose characters depend on each other (a month, an
@@ -42,6 +42,7 @@ FORMATS: dict[str, list[str | Field]] = {
     "time": TIME,
     "date-time": [*DATE, "T", *TIME, "Z"],
     "uuid": [_free(HEX, 8), "-", _free(HEX, 4), "-", _free(HEX, 4), "-", _free(HEX, 4), "-", _free(HEX, 12)],
+    "duration": ["P", _free(DIGIT, 2), "DT", HOUR, "H", MINUTE, "M", MINUTE, "S"],  # ISO 8601, up to 99 days
 }
 
 
