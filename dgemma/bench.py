@@ -426,7 +426,7 @@ def _time_decoding(runner: Runner, prompt: list[int], steps, canvases: int, ar_t
 def _bytes_per_pass(runner: Runner, prompt: list[int], canvas_ids: torch.Tensor) -> tuple[dict, dict]:
     """Bytes a denoising step and an AR token read, counted on the modules a fast request runs, eagerly:
     a replayed CUDA graph would not call the routers' hooks."""
-    running = runner.fast or runner.model
+    running = runner.modules
     c = runner.model.config.canvas_length
     prompt_ids = torch.tensor([prompt], device=runner.model.device)
     cache = runner.model.new_cache(1, len(prompt) + 2 * c)

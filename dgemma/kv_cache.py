@@ -45,6 +45,13 @@ class DenoiseCache(Protocol):
         ...
 
 
+def canvas_mask(prefix_valid: torch.Tensor, canvas_length: int) -> torch.Tensor:
+    """The bidirectional mask [B, 1, C, S + C] of a canvas after cached keys whose validity is
+    `prefix_valid` [B, S]: every canvas query sees the valid keys and the whole canvas."""
+    canvas = prefix_valid.new_ones(prefix_valid.shape[0], canvas_length)
+    return torch.cat([prefix_valid, canvas], dim=1)[:, None, None, :].expand(-1, 1, canvas_length, -1)
+
+
 class KVCache:
     """Fixed-shape keys/values for every layer, plus which positions of each row are real tokens."""
 
@@ -214,10 +221,7 @@ class KVCache:
             if not self.has_padding:  # every key is visible: no mask, no device sync
                 masks[layer_type] = None
                 continue
-            prefix_valid = self.valid[:, self.prefix_positions(sliding)]  # [B, S_prefix]
-            canvas_valid = prefix_valid.new_ones(self.batch_size, canvas_length)
-            allowed = torch.cat([prefix_valid, canvas_valid], dim=1)  # [B, S]
-            masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+            masks[layer_type] = canvas_mask(self.valid[:, self.prefix_positions(sliding)], canvas_length)
         self._denoise_memo = (key, (q, masks))
         return q, masks
 
@@ -288,14 +292,12 @@ class StackedCache:
             self._longest[sliding] = longest
             rows = []
             for c in self.caches:
-                n = c.num_cached(sliding)
                 prefix_valid = c.valid[:, c.prefix_positions(sliding)]
-                pad = prefix_valid.new_zeros(c.batch_size, longest - n)
-                rows.append(torch.cat([pad, prefix_valid, prefix_valid.new_ones(c.batch_size, canvas_length)], 1))
-            allowed = torch.cat(rows)  # [B, longest + C]
-            masks[layer_type] = (
-                None if bool(allowed.all()) else allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
-            )
+                rows.append(
+                    torch.cat([prefix_valid.new_zeros(c.batch_size, longest - c.num_cached(sliding)), prefix_valid], 1)
+                )
+            prefix_valid = torch.cat(rows)  # [B, longest], left-padded
+            masks[layer_type] = None if bool(prefix_valid.all()) else canvas_mask(prefix_valid, canvas_length)
         return positions, masks
 
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FULL, SLIDING
-from ..kv_cache import KVCache, StackedCache
+from ..kv_cache import KVCache, StackedCache, canvas_mask
 from ..model import DiffusionGemma
 
 
@@ -39,7 +39,6 @@ class StaticCacheView:
         device = cache.device
         offsets = torch.arange(canvas_length, device=device)
         positions = self.length + offsets  # [C]
-        canvas_valid = torch.ones(batch_size, canvas_length, dtype=torch.bool, device=device)
         masks = {}
         for layer_type, sliding in ((SLIDING, True), (FULL, False)):
             slots = self._slots(sliding)
@@ -52,8 +51,7 @@ class StaticCacheView:
             pos = self.length - slots + j if sliding else j
             written = (pos >= 0) & (pos < self.length)
             valid = cache.valid[:, pos.clamp(0, cache.max_length - 1)] & written  # [B, slots]
-            allowed = torch.cat([valid, canvas_valid], dim=1)
-            masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+            masks[layer_type] = canvas_mask(valid, canvas_length)
         return positions, masks
 
     def _slots(self, sliding: bool) -> int | None:
@@ -81,28 +79,22 @@ class StaticStack:
     def __init__(self, like: KVCache, rows: int, slots: int):
         self.rows, self.slots, self.ring = rows, slots, like.window - 1
         self.is_sliding = like.is_sliding
-        self.keys = [k.new_zeros(rows, k.shape[1], self._width(s), k.shape[3]) for k, s in self._layers(like)]
+        layers = zip(like.keys, like.is_sliding, strict=True)
+        self.keys = [k.new_zeros(rows, k.shape[1], self._width(s), k.shape[3]) for k, s in layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.valid = {s: torch.zeros(rows, self._width(s), dtype=torch.bool, device=like.device) for s in (True, False)}
         self.lengths = torch.zeros(rows, dtype=torch.long, device=like.device)
         self.loaded: tuple | None = None  # what the buffers hold: (rows, slots, ((cache, version), ...))
         self.loads = 0
 
-    def _layers(self, cache: KVCache):
-        return zip(cache.keys, cache.is_sliding, strict=True)
-
     def _width(self, sliding: bool, slots: int | None = None) -> int:
         slots = self.slots if slots is None else slots
         return min(slots, self.ring) if sliding else slots
 
-    def holds(self, like: KVCache, rows: int, slots: int) -> bool:
-        """Whether these buffers can take a batch of `rows` rows and `slots` prefix slots of `like`'s kind."""
-        if len(self.keys) != len(like.keys) or like.window - 1 != self.ring:
-            return False
-        same = all(
-            a.shape[1::2] == b.shape[1::2] and a.dtype == b.dtype for a, b in zip(self.keys, like.keys, strict=True)
-        )
-        return same and rows <= self.rows and slots <= self.slots
+    def holds(self, rows: int, slots: int) -> bool:
+        """Whether these buffers can take a batch of `rows` rows and `slots` prefix slots (the caches are all
+        the one model's: their layers have these buffers' shapes)."""
+        return rows <= self.rows and slots <= self.slots
 
     def load(self, caches: list[KVCache], rows: int, slots: int) -> None:
         """Copy the caches' prefixes in (rows beyond theirs up to `rows` are padding), unless already there."""
@@ -154,11 +146,8 @@ class StaticStackView:
         if batch_size != self.batch_size:
             raise ValueError(f"batch of {batch_size} rows, but the static stack holds {self.batch_size}")
         positions = self.lengths[:, None] + torch.arange(canvas_length, device=self.device)  # [B, C]
-        canvas = torch.ones(batch_size, canvas_length, dtype=torch.bool, device=self.device)
-        masks = {}
-        for layer_type, sliding in ((SLIDING, True), (FULL, False)):
-            allowed = torch.cat([self.valid[sliding], canvas], dim=1)
-            masks[layer_type] = allowed[:, None, None, :].expand(-1, 1, canvas_length, -1)
+        types = ((SLIDING, True), (FULL, False))
+        masks = {layer_type: canvas_mask(self.valid[sliding], canvas_length) for layer_type, sliding in types}
         return positions, masks
 
     def with_prefix(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,14 +222,12 @@ class GraphedDenoise:
         """A server batch: its caches loaded into the StaticStack, the graph of its bucket replayed."""
         rows, c = canvas_ids.shape
         b, slots = bucket(rows), bucket(max(x.length for x in caches), 16)
-        if self.stack is None or not self.stack.holds(caches[0], b, slots):
-            if self.stack is not None and self.stack.holds(caches[0], 1, 1):  # the same model's: grow it
-                b, slots = max(b, self.stack.rows), max(slots, self.stack.slots)
+        if self.stack is None or not self.stack.holds(b, slots):
+            grown = (b, slots) if self.stack is None else (max(b, self.stack.rows), max(slots, self.stack.slots))
             for key in [k for k in self.entries if k[0] == "stack"]:  # their views read the old buffers
                 del self.entries[key]
-            self.stack = None
-            self.stack = StaticStack(caches[0], b, slots)
-            b, slots = bucket(rows), bucket(max(x.length for x in caches), 16)
+            self.stack = None  # freed before the larger buffers are made
+            self.stack = StaticStack(caches[0], *grown)
         self.stack.load(caches, b, slots)
         key = ("stack", b, slots, c, None if soft is None else soft.dtype)
         entry = self.entries.get(key)

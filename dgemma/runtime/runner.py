@@ -91,6 +91,11 @@ class Runner:
         return self.model.new_cache(batch_size, max_length, **kwargs)
 
     @property
+    def modules(self) -> DiffusionGemma:
+        """The model whose modules this runner runs: the fast twin if it has one, else the reference."""
+        return self.model if self.fast is None else self.fast
+
+    @property
     def reference(self) -> Runner:
         """The Runner of the reference modules (this one if it has no twin): what exact mode runs on."""
         if self._reference is None:
@@ -113,7 +118,7 @@ class Runner:
         the id check runs eagerly. Encodes with images run eagerly."""
         kw = dict(return_logits=return_logits, is_generated=is_generated)
         if self._fast_encode is None or pixels is not None:
-            return (self.fast or self.model).encode(input_ids, cache, attention_mask, pixels=pixels, **kw)
+            return self.modules.encode(input_ids, cache, attention_mask, pixels=pixels, **kw)
         return self._fast_encode(input_ids, cache, attention_mask, **kw)
 
     def denoise(
@@ -156,7 +161,7 @@ class Runner:
     def __repr__(self) -> str:
         kernels = "reference" if self.fast is None else "fast"
         head = f"Runner(kernels={kernels}, compile={self.compiled}, graphs={self.graphs is not None})"
-        return f"{head}\n{self.fast or self.model}"
+        return f"{head}\n{self.modules}"
 
 
 def accelerate(

@@ -34,7 +34,7 @@ from . import answers, media
 from . import choices as runs
 from . import logprobs as logprob_blocks
 from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .served import Served, budget, check_chars, check_model, resolve, tokenize
+from .served import Served, budget, check_chars, check_model, resolve, room, tokenize
 
 
 def add_generation_routes(app: FastAPI, served: Served) -> None:
@@ -193,14 +193,14 @@ def _shaped_params(served: Served, body, plans: list, longest: int, asked: tuple
     n = max(p.smallest for p in plans)
     if requested is not None and requested < n:
         raise ApiError(400, f"{param} is {requested}, but the shortest valid answer takes {n} tokens", param)
-    room = (served.context - longest) // served.canvas * served.canvas
-    if n > room:
+    left = room(served, longest)
+    if n > left:
         message = (
-            f"the shortest valid answer takes {n} tokens, but with a prompt of {longest} tokens at most {room} "
+            f"the shortest valid answer takes {n} tokens, but with a prompt of {longest} tokens at most {left} "
             f"fit in the context of {served.context} (whole canvases of {served.canvas})"
         )
         raise ApiError(400, message, prompt_param, code="context_length_exceeded")
-    limit = room if requested is None else budget(served, requested, longest, param, prompt_param)
+    limit = left if requested is None else budget(served, requested, longest, param, prompt_param)
     return resolve(served, body.sampling(limit)), limit
 
 
@@ -216,10 +216,7 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
     if named is None and len(body.tools) > 1 and pixels is not None:
         raise ApiError(400, "tool_choice: with images, name the function to call", "tool_choice")
-    try:
-        plans = await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
-    except ApiError as e:  # the message names the tool: "tools.i...: why"
-        raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
+    plans = await _tool_plans(served, tools)
     callable_ = [p for n, p in plans if named is None or n == named]
     requested, param = body.requested_tokens
     params, limit = _shaped_params(served, body, callable_, len(prompt), (requested, param, "messages"))
@@ -230,6 +227,14 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
         return tool_call_program(runner, prompt, plans, replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(prompt)])
+
+
+async def _tool_plans(served: Served, tools: list[dict]):
+    """Each tool's call plan; a 400 naming the tool (`tools.i...`) that cannot be called."""
+    try:
+        return await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
+    except ApiError as e:  # the message names the tool: "tools.i...: why"
+        raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
 
 
 def _decides(body: ChatCompletionRequest, pixels) -> bool:
@@ -243,10 +248,7 @@ def _decides(body: ChatCompletionRequest, pixels) -> bool:
 async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], tools: list[dict]):
     """tool_choice "auto": per choice, the model's scores decide between text and a call (a call's
     arguments by construction, within max_tokens as text's tokens are)."""
-    try:
-        plans = await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
-    except ApiError as e:  # the message names the tool: "tools.i...: why"
-        raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
+    plans = await _tool_plans(served, tools)
     requested, param = body.requested_tokens
     params = resolve(served, body.sampling(budget(served, requested, len(prompt), param, "messages")))
     runner, tok = served.engine.runner, served.tokenizer

@@ -62,11 +62,15 @@ def check_chars(served: Served, chars: int, param: str) -> None:
         )
 
 
+def room(served: Served, prompt_len: int) -> int:
+    """The tokens the context leaves after a prompt, in whole canvases (what the engine generates)."""
+    return (served.context - prompt_len) // served.canvas * served.canvas
+
+
 def budget(served: Served, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:
     """The tokens to generate: as requested (or the checkpoint's default), within the context."""
-    c = served.canvas
-    room = (served.context - prompt_len) // c * c  # the engine generates whole canvases
-    if room <= 0:
+    c, left = served.canvas, room(served, prompt_len)
+    if left <= 0:
         raise ApiError(
             400,
             f"the prompt has {prompt_len} tokens, which leaves no room for a canvas of {c} in the "
@@ -74,11 +78,11 @@ def budget(served: Served, requested: int | None, prompt_len: int, param: str, p
             prompt_param,
             code="context_length_exceeded",
         )
-    max_tokens = requested or min(served.model.generation_config.max_new_tokens, room)
-    if max_tokens > room:
+    max_tokens = requested or min(served.model.generation_config.max_new_tokens, left)
+    if max_tokens > left:
         raise ApiError(
             400,
-            f"{param} is too large: with a prompt of {prompt_len} tokens, at most {room} tokens fit in the "
+            f"{param} is too large: with a prompt of {prompt_len} tokens, at most {left} tokens fit in the "
             f"context of {served.context} (whole canvases of {c}; dgemma serve --max-context)",
             param,
             code="context_length_exceeded",

@@ -70,8 +70,10 @@ def pattern_parts(pattern: str) -> list[str | Field]:
         raise StructuredOutputError(f"pattern {pattern!r} must fix between 1 and {MAX_PATTERN_CHARS} characters")
     parts: list[str | Field] = []
     for allowed in chars:
-        if len(allowed) == 1:  # a literal: pinned, joined to the one before
-            parts[-1:] = [parts[-1] + allowed] if parts and isinstance(parts[-1], str) else [*parts[-1:], allowed]
+        if len(allowed) == 1 and parts and isinstance(parts[-1], str):  # a literal, pinned with the one before
+            parts[-1] += allowed
+        elif len(allowed) == 1:
+            parts.append(allowed)
         elif parts and not isinstance(parts[-1], str):
             parts[-1][0].append(allowed)
         else:
@@ -124,15 +126,16 @@ def _string_chars(chars: str, pattern: str) -> str:
 
 
 def _char_tokens(c: TokenClasses, chars: list[str], strict: bool = True) -> list[int]:
-    """The single-character tokens of `chars`; all of them (`strict`: a field's values must be writable), or
-    those the tokenizer has (a class: at least one)."""
-    ids = [c.tokenizer.encode(ch, add_special_tokens=False) for ch in chars]
-    ids = [i[0] for i in ids if len(i) == 1 and i[0] < c.vocab_size and c.usable(i[0])] if not strict else ids
-    if strict and any(len(i) != 1 or i[0] >= c.vocab_size for i in ids):
+    """The single-character tokens of `chars`: of every one, in order (`strict`: a value's characters must
+    all be writable), or of those the tokenizer has (a class: at least one)."""
+    found = {}
+    for ch in chars:
+        ids = c.tokenizer.encode(ch, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] < c.vocab_size and c.usable(ids[0]):
+            found[ch] = ids[0]
+    if not found or (strict and any(ch not in found for ch in chars)):
         raise StructuredOutputError(f"this tokenizer has no single-character token for one of {''.join(chars)!r}")
-    if not ids:
-        raise StructuredOutputError(f"this tokenizer has no single-character token for any of {''.join(chars)!r}")
-    return [i[0] for i in ids] if strict else ids
+    return [found[ch] for ch in chars] if strict else list(found.values())
 
 
 class _Format:

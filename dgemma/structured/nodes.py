@@ -93,6 +93,12 @@ class _Const:
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
         pass
 
+    def accepts(self, value: Any) -> bool:
+        return _same(self.value, value)
+
+    def shortest(self) -> Any:
+        return self.value
+
     def scan(self, text: str, i: int):
         yield from _literal(json_text(self.value), text, i)
 
@@ -124,6 +130,12 @@ class _String:
         # give at least minLength characters
         first = min(self.min_length, self.budget - 1)
         self.span = b.hole([body] * first + [body | self.close] * (self.budget - first), self.close)
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, str)
+
+    def shortest(self) -> str:
+        return "a" * self.min_length
 
     def scan(self, text: str, i: int):
         if i == len(text):
@@ -198,6 +210,14 @@ class _Number:
         self.span = b.hole([first] + [rest] * (self.budget - 1), c.after_value)
 
     bounds: tuple[float | None, float | None] = (None, None)  # the inclusive range (set by `_number`)
+
+    def accepts(self, value: Any) -> bool:
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        return numeric and (isinstance(value, int) or not self.integer)
+
+    def shortest(self) -> int | float:
+        low, high = self.bounds
+        return low if low is not None and low > 0 else (0 if high is None or high >= 0 else high)
 
     def scan(self, text: str, i: int):
         j = i + (text[i : i + 1] == "-")
@@ -297,6 +317,12 @@ class _Choice:
         self.span, self.end = b.hole(self._masks(c)), None  # all written in n tokens: none is ever over
         b.text(quote if quoted else "")
 
+    def accepts(self, value: Any) -> bool:
+        return any(_same(o, value) for o in self.options)
+
+    def shortest(self) -> Any:
+        return min(self.options, key=lambda o: len(json_text(o)))
+
     def scan(self, text: str, i: int):
         for option in self.options:
             yield from _literal(json_text(option), text, i)
@@ -319,13 +345,19 @@ class _Union:
         self.chosen = next((i for i, b in enumerate(branches) if not _is_null(b)), 0)
 
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
-        fit = next((i for i, b in enumerate(self.branches) if accepts(b, value)), None)
+        fit = next((i for i, b in enumerate(self.branches) if b.accepts(value)), None)
         if fit is not None:
             self.chosen = fit
             self.branches[fit].size(value, c, syntax)
 
     def layout(self, b: _Layout) -> None:
         self.branches[self.chosen].layout(b)
+
+    def accepts(self, value: Any) -> bool:
+        return any(b.accepts(value) for b in self.branches)
+
+    def shortest(self) -> Any:
+        return min((b.shortest() for b in self.branches), key=lambda v: len(json_text(v)))
 
     def scan(self, text: str, i: int):
         for branch in self.branches:
@@ -346,61 +378,23 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def accepts(node: Any, value: Any) -> bool:
-    """Whether a drafted `value` has the shape of `node`: its JSON type, its constant or one of its options,
-    an object's keys among the node's (and its constants matched): what chooses a union's branch."""
-    if hasattr(node, "accepts"):  # a node of its own module (formats.py)
-        return node.accepts(value)
-    if isinstance(node, _Const):
-        return _same(node.value, value)
-    if isinstance(node, _Choice):
-        return any(_same(o, value) for o in node.options)
-    if isinstance(node, _Union):
-        return any(accepts(b, value) for b in node.branches)
-    if isinstance(node, _Object):
-        if not isinstance(value, dict) or not set(value) <= {k for k, _ in node.properties}:
-            return False
-        return all(accepts(n, value[k]) for k, n in node.properties if k in value and isinstance(n, _Const | _Choice))
-    kinds = {_String: str, _Array: list}
-    if isinstance(node, _Number):
-        numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        return numeric and (isinstance(value, int) or not node.integer)
-    return isinstance(value, kinds.get(type(node), ()))
-
-
-def least(node: Any) -> Any:
-    """The shortest valid value of `node` (written compactly): what an answer is laid out as when nothing
-    longer fits the tokens it may take."""
-    if hasattr(node, "shortest"):
-        return node.shortest()
-    if isinstance(node, _Const):
-        return node.value
-    if isinstance(node, _Choice):
-        return min(node.options, key=lambda o: len(json_text(o)))
-    if isinstance(node, _Union):
-        return min((least(b) for b in node.branches), key=lambda v: len(json_text(v)))
-    if isinstance(node, _Object):
-        return {k: least(n) for k, n in node.properties}
-    if isinstance(node, _Array):
-        return [least(n) for n in node.items[: node.min_items]]
-    if isinstance(node, _String):
-        return "a" * node.min_length
-    low, high = node.bounds
-    return low if low is not None and low > 0 else (0 if high is None or high >= 0 else high)
+# Every node also says which drafted values have its shape (`accepts`: its JSON type, its constant or one of
+# its options, an object's keys among its own with its constants matched; what chooses a union's branch)
+# and gives its shortest valid value (`shortest`: what an answer is laid out as when nothing longer fits).
 
 
 def completed(node: Any, value: Any) -> Any:
     """A drafted `value` made whole: every part it lacks, or holds with another shape, replaced by the
     shortest valid one, so that sizing by it leaves nothing at the schema's (longer) layout."""
     if isinstance(node, _Union):
-        fit = next((b for b in node.branches if accepts(b, value)), None)
-        return least(node) if fit is None else completed(fit, value)
+        fit = next((b for b in node.branches if b.accepts(value)), None)
+        return node.shortest() if fit is None else completed(fit, value)
     if isinstance(node, _Object) and isinstance(value, dict):
         return {k: completed(n, value.get(k, MISSING)) for k, n in node.properties}
     if isinstance(node, _Array) and isinstance(value, list):
         count = min(max(len(value), node.min_items), len(node.items))
         return [completed(n, value[i] if i < len(value) else MISSING) for i, n in enumerate(node.items[:count])]
-    return value if accepts(node, value) else least(node)
+    return value if node.accepts(value) else node.shortest()
 
 
 class _Object:
@@ -419,6 +413,15 @@ class _Object:
         if isinstance(value, dict):
             for key, node in self.properties:
                 node.size(value.get(key, MISSING), c, syntax)
+
+    def accepts(self, value: Any) -> bool:
+        if not isinstance(value, dict) or not set(value) <= {k for k, _ in self.properties}:
+            return False
+        fixed = [(k, n) for k, n in self.properties if k in value and isinstance(n, _Const | _Choice)]
+        return all(n.accepts(value[k]) for k, n in fixed)
+
+    def shortest(self) -> dict:
+        return {k: n.shortest() for k, n in self.properties}
 
     def scan(self, text: str, i: int):
         parts = ["{"]
@@ -455,6 +458,12 @@ class _Array:
                 self.seps.append(b.hole([more | c.close_led]))
             node.layout(b)
         b.text("]")
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, list)
+
+    def shortest(self) -> list:
+        return [n.shortest() for n in self.items[: self.min_items]]
 
     def scan(self, text: str, i: int):
         def items(k: int, at: int):

@@ -17,7 +17,7 @@ from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
-from .nodes import _Invalid, _Layout, _Read, completed, json_text, least
+from .nodes import _Invalid, _Layout, _Read, completed, json_text
 from .schema import MAX_VALUES, build, expanded
 from .tokens import GEMMA_ARGUMENTS, JSON, StructuredOutputError, Syntax, TokenClasses
 
@@ -160,7 +160,7 @@ def schema_plan(
     validator = _checked(schema)
     read = read_draft or _drafted_json
     plan = _laid_out(schema, validator, *args, None)
-    fewest = least(build(schema))
+    fewest = build(schema).shortest()
     plan.smallest = _laid_out(schema, validator, *args, fewest).length
 
     def resize(text: str | None, limit: int | None = None) -> JsonPlan:
