@@ -31,7 +31,7 @@ from .editing import (
     plan_edit,
     plan_infill,
 )
-from .generate import DraftEvent, GenerationResult, SamplingParams, left_pad, prepare, prompt_rows
+from .generate import MAX_LOGPROBS, DraftEvent, GenerationResult, SamplingParams, left_pad, prepare, prompt_rows
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
 from .structured.nodes import json_text
@@ -252,10 +252,13 @@ def json_program(
     for attempt in range(retries + 1):
         s = None if seed is None else (seed + attempt) % 2**63
         attempt_params = dataclasses.replace(params, seed=s)
-        filled = fill_program(runner, plan.template, prompt, attempt_params, allowed=plan.allowed, pixels=pixels)
+        scores = {"logprobs": MAX_LOGPROBS} if plan.scored else {}  # what a pattern's reader chooses by
+        filled = fill_program(
+            runner, plan.template, prompt, attempt_params, allowed=plan.allowed, pixels=pixels, **scores
+        )
         result = yield from result_of(filled, passes=(DraftEvent,))
         steps += sum(result.stats.steps_per_canvas[0])
-        value, error = yield from read_json(plan, prompt, result.tokens[0])
+        value, error = yield from read_json(plan, prompt, result.tokens[0], _alternatives(result))
         if error is None:
             yield DoneEvent(JsonResult(value, write(value), attempt + 1, steps, result, errors))
             return
@@ -263,10 +266,19 @@ def json_program(
     raise unsatisfied(retries + 1, errors[-1], steps)
 
 
-def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int]):
+def _alternatives(result: GenerationResult) -> list[dict[int, float]] | None:
+    """Per position of a fill with logprobs, {token: log-probability} of its token and the alternatives."""
+    if result.top_logprobs is None:
+        return None
+    pairs = zip(result.tokens[0], result.logprobs[0], result.top_logprobs[0], strict=False)
+    return [dict(top) | {token: lp} for token, lp, top in pairs]
+
+
+def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives=None):
     """`value, error = yield from read_json(...)`: `plan.read`, its choices between options spelled alike
     asked of the model as Score calls. The reader asks as it goes; each round reads with the answers
-    known so far and asks what is still open, so that every choice is scored once."""
+    known so far and asks what is still open, so that every choice is scored once. `alternatives`: the
+    fill's scores (`JsonPlan.read`)."""
     answers: dict = {}
     while True:
         asked: dict = {}
@@ -277,7 +289,7 @@ def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int]):
                 asked[key] = (position, options)
             return answers.get(key, 0)
 
-        value, error = plan.read(tokens, score)
+        value, error = plan.read(tokens, score, alternatives)
         if not asked:
             return value, error
         for key, (position, options) in asked.items():

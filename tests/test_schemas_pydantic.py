@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import enum
 import json
-import re
 import uuid
 from typing import Literal, Optional, Union
 
@@ -124,8 +123,8 @@ def test_a_recursive_model_stops_at_the_reference_depth(code):
             "recurses deeper than",  # nothing can stop it: no union, no array
         ),
         (
-            {"type": "string", "format": "email"},
-            r"format 'email' is not supported \(supported: \['date', 'date-time', 'duration'",
+            {"type": "string", "format": "uri"},
+            r"format 'uri' is not supported \(supported: \['date', 'date-time', 'duration'",
         ),
         ({"type": "string", "format": "date", "maxLength": 4}, "do not go with a format"),
         ({"anyOf": []}, "not a valid JSON schema"),
@@ -207,41 +206,6 @@ def test_integer_multiples_are_valid_by_construction(code, schema, values):
         _plan(code, {"type": "number", "multipleOf": 0.5})
 
 
-@pytest.mark.parametrize(
-    "pattern, examples",
-    [
-        (r"^[A-Z]{2}-\d{4}$", ["AB-1234"]),
-        (r"^\d{3}-\d{3}-\d{4}$", ["555-123-4567"]),
-        (r"^INV(\d{2}){2}[a-f]$", ["INV1234a"]),
-    ],
-)
-def test_fixed_length_patterns_are_valid_by_construction(code, pattern, examples):
-    import re
-
-    from dgemma.structured.formats import pattern_parts
-
-    model, tok = code
-    assert all(re.fullmatch(pattern, e) for e in examples) and pattern_parts(pattern)
-    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
-    for seed in range(2):
-        out = generate_json(model, "# a record\nrecord = ", schema, tokenizer=tok, seed=seed, retries=0, **KW)
-        assert re.search(pattern, out.value["code"]), out.value
-
-
-@pytest.mark.parametrize(
-    "pattern, message",
-    [
-        (r"^[a-z]+$", "a repetition of variable length is not supported yet"),
-        (r"^(cat|dog)$", "BRANCH is not supported yet"),
-        (r'^"\d$', "needs a character a string escapes"),
-        (r"[", "is not a 'regex'"),  # jsonschema's own check of the schema, first
-    ],
-)
-def test_other_patterns_are_refused_by_name(code, pattern, message):
-    with pytest.raises(StructuredOutputError, match=re.escape(message) if "BRANCH" not in message else message):
-        _plan(code, {"type": "string", "pattern": pattern})
-
-
 def test_hostile_schemas_are_refused_before_the_work_they_ask_for(code):
     """Definitions that each refer to many others (30^8 values if expanded), a repetition of a million, a
     reference cycle with no value in it: each is refused at once."""
@@ -251,7 +215,7 @@ def test_hostile_schemas_are_refused_before_the_work_they_ask_for(code):
     defs["D8"] = {"type": "integer"}
     cases = [
         ({"$defs": defs, "$ref": "#/$defs/D0"}, "expands to more than"),
-        ({"type": "string", "pattern": r"\d{1000000}"}, "fixes more than"),
+        ({"type": "string", "pattern": r"\d{1000000}"}, "writes out to more than"),
         ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}, "recurses deeper"),
     ]
     for schema, message in cases:

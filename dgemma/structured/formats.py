@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import calendar
 import re
-import string
-from re import _parser  # the regular-expression parser of the standard library
 from typing import Any
 
 import torch
@@ -46,85 +44,6 @@ FORMATS: dict[str, list[str | Field]] = {
 }
 
 
-PRINTABLE = "".join(chr(i) for i in range(0x20, 0x7F) if chr(i) not in '"\\')  # a string's own characters
-MAX_PATTERN_CHARS = 128
-_CATEGORIES = {
-    _parser.CATEGORY_DIGIT: DIGIT,
-    _parser.CATEGORY_WORD: string.ascii_letters + DIGIT + "_",
-    _parser.CATEGORY_SPACE: " ",
-}
-
-
-def pattern_parts(pattern: str) -> list[str | Field]:
-    """A `pattern` of a fixed length as parts (pinned literals, a position per other character): literal
-    characters, classes (`[A-Z]`, `\\d`, `\\w`, `.`) and groups repeated a fixed number of times. Anything
-    else (a variable repetition, an alternation, a negated class) is refused with the construct named.
-    The answer matches the pattern whole, so it also matches where the pattern is not anchored."""
-    try:
-        items = list(_parser.parse(pattern))
-    except re.error as e:
-        raise StructuredOutputError(f"pattern {pattern!r} is not a regular expression: {e}") from None
-    chars: list[str] = []  # per character of the answer, the characters allowed there
-    _expand(items, chars, pattern)
-    if not chars or len(chars) > MAX_PATTERN_CHARS:
-        raise StructuredOutputError(f"pattern {pattern!r} must fix between 1 and {MAX_PATTERN_CHARS} characters")
-    parts: list[str | Field] = []
-    for allowed in chars:
-        if len(allowed) == 1 and parts and isinstance(parts[-1], str):  # a literal, pinned with the one before
-            parts[-1] += allowed
-        elif len(allowed) == 1:
-            parts.append(allowed)
-        elif parts and not isinstance(parts[-1], str):
-            parts[-1][0].append(allowed)
-        else:
-            parts.append(([allowed], None))
-    return parts
-
-
-def _expand(items: list, chars: list[str], pattern: str) -> None:
-    for op, arg in items:
-        if op is _parser.AT:
-            continue  # the answer is the whole string: anchors hold
-        if op is _parser.LITERAL:
-            chars.append(_string_chars(chr(arg), pattern))
-        elif op is _parser.ANY:
-            chars.append(PRINTABLE)
-        elif op is _parser.IN:
-            chars.append(_string_chars(_class(arg, pattern), pattern))
-        elif op in (_parser.MAX_REPEAT, _parser.MIN_REPEAT) and arg[0] == arg[1]:
-            for _ in range(arg[0]):
-                _expand(list(arg[2]), chars, pattern)
-                if len(chars) > MAX_PATTERN_CHARS:  # before a repetition of a million is written out
-                    raise StructuredOutputError(f"pattern {pattern!r} fixes more than {MAX_PATTERN_CHARS} characters")
-        elif op is _parser.SUBPATTERN:
-            _expand(list(arg[3]), chars, pattern)
-        else:
-            what = "a repetition of variable length" if op in (_parser.MAX_REPEAT, _parser.MIN_REPEAT) else str(op)
-            raise StructuredOutputError(f"pattern {pattern!r}: {what} is not supported yet (fixed-length patterns are)")
-
-
-def _class(members: list, pattern: str) -> str:
-    out = ""
-    for op, arg in members:
-        if op is _parser.LITERAL:
-            out += chr(arg)
-        elif op is _parser.RANGE:
-            out += "".join(chr(i) for i in range(arg[0], arg[1] + 1))
-        elif op is _parser.CATEGORY and arg in _CATEGORIES:
-            out += _CATEGORIES[arg]
-        else:
-            raise StructuredOutputError(f"pattern {pattern!r}: the class member {op} {arg} is not supported yet")
-    return "".join(sorted(set(out)))
-
-
-def _string_chars(chars: str, pattern: str) -> str:
-    """The characters a JSON string holds as they are (no quote, backslash or control character)."""
-    kept = "".join(ch for ch in chars if ch in PRINTABLE or ord(ch) > 0x7F)
-    if not kept:
-        raise StructuredOutputError(f"pattern {pattern!r} needs a character a string escapes ({chars!r})")
-    return kept
-
-
 def _char_tokens(c: TokenClasses, chars: list[str], strict: bool = True) -> list[int]:
     """The single-character tokens of `chars`: of every one, in order (`strict`: a value's characters must
     all be writable), or of those the tokenizer has (a class: at least one)."""
@@ -139,10 +58,10 @@ def _char_tokens(c: TokenClasses, chars: list[str], strict: bool = True) -> list
 
 
 class _Format:
-    """A string of one of FORMATS, or of a fixed-length `pattern`: pinned separators, a position per character."""
+    """A string of one of FORMATS: pinned separators, a position per character."""
 
-    def __init__(self, name: str, parts: list[str | Field] | None = None):
-        self.name, self.parts = name, FORMATS[name] if parts is None else parts
+    def __init__(self, name: str):
+        self.name, self.parts = name, FORMATS[name]
 
     def size(self, value: Any, c: TokenClasses, syntax) -> None:
         pass  # a fixed shape: nothing to size

@@ -32,6 +32,7 @@ class _Layout:
     allowed: list[torch.Tensor | None] = field(default_factory=list)
     holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole, and what ends it
     pending: str = ""
+    scored: bool = False  # a node reads its holes with the fill's scores (`_Read.alternatives`)
 
     def text(self, s: str) -> None:
         self.pending += s
@@ -68,6 +69,8 @@ class _Read:
     tokens: list[int]
     classes: TokenClasses
     score: Callable[[int, list[list[int]]], int]  # (template position, options' tokens) -> best option
+    # template position -> {token: the fill's log-probability} of the tokens it has there (None: no scores)
+    alternatives: Callable[[int], dict[int, float] | None] = lambda position: None
 
     def text(self, span: slice, end: torch.Tensor | None) -> str:
         """The text of a hole up to (not including) its first token in `end` (None: all of it)."""

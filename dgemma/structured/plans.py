@@ -38,6 +38,7 @@ class JsonPlan:
     end: int | None = None  # the end-of-text token the template is padded with
     length: int = 0  # the template's tokens before its end-of-text padding
     smallest: int = 0  # the tokens of the shortest valid answer's layout (what a limit must leave room for)
+    scored: bool = False  # its reader wants the fill's scores (`read`'s alternatives): a pattern's holes
 
     @property
     def fixed(self) -> bool:
@@ -50,14 +51,22 @@ class JsonPlan:
         pad = [self.end] * ((length or len(self.template)) - len(self.template))
         return torch.tensor([[-1 if t is None else t for t in self.template + pad]], dtype=torch.long)
 
-    def read(self, tokens: list[int], score: Callable[[int, list[list[int]]], int]) -> tuple[Any, str | None]:
+    def read(
+        self,
+        tokens: list[int],
+        score: Callable[[int, list[list[int]]], int],
+        alternatives: list[dict[int, float]] | None = None,
+    ) -> tuple[Any, str | None]:
         """The answer a fill of this plan holds and None, or None and why it is not valid. Where a hole
         holds one of several options spelled alike, `score(position, options)` says which (the index of
-        the likeliest; `score_request` says what to score; dgemma.programs.read_json asks the model)."""
+        the likeliest; `score_request` says what to score; dgemma.programs.read_json asks the model).
+        `alternatives`, per position the fill's log-probabilities of the tokens it has scores for, lets
+        a pattern's hole that does not match be read as the likeliest match (without: the nearest)."""
         if self.schema is None:
             return first_object(self.classes.tokenizer.decode(tokens))
+        scores = (lambda k: alternatives[k] if k < len(alternatives) else None) if alternatives else (lambda k: None)
         try:
-            value = self.root.read(_Read(tokens, self.classes, score))
+            value = self.root.read(_Read(tokens, self.classes, score, scores))
         except _Invalid as e:
             return None, str(e)
         error = next(iter(self.validator.iter_errors(value)), None)
@@ -140,6 +149,7 @@ def _laid_out(
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
     plan = JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
     plan.length = plan.smallest = len(b.template)
+    plan.scored = b.scored
     return plan
 
 

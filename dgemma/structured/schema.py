@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .formats import FORMATS, _Format, pattern_parts
+from .formats import FORMATS, _Format
 from .nodes import _Array, _Choice, _Const, _Number, _Object, _String, _Union
+from .regex import REGEX_FORMATS, _Regex, regex_string
 from .tokens import (
     _ANNOTATIONS,
     _KEYWORDS,
@@ -216,27 +217,34 @@ def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
     return _Array(items, low)
 
 
-def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Format:
-    if "pattern" in schema:
-        if "format" in schema or "minLength" in schema or "maxLength" in schema:
-            raise _refuse(path, "pattern goes alone here (its fixed length sets the string's)")
-        pattern = schema["pattern"]
-        try:
-            return _Format("pattern", pattern_parts(pattern))
-        except StructuredOutputError as e:
-            raise _refuse(path, str(e)) from None
-    if "format" in schema:
-        name = schema["format"]
-        if name not in FORMATS:
-            raise _refuse(path, f"format {name!r} is not supported (supported: {sorted(FORMATS)})")
-        if "minLength" in schema or "maxLength" in schema:
-            raise _refuse(path, "minLength and maxLength do not go with a format (its shape fixes the length)")
-        return _Format(name)
+def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Format | _Regex:
     high = schema.get("maxLength")
     low = schema.get("minLength", 0)
     for name, value in (("maxLength", high), ("minLength", low)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise _refuse(path, f"{name} must be a non-negative integer")
+    if high is not None and high < low:
+        raise _refuse(path, "maxLength is below minLength: no string has both")
+    if "pattern" in schema or schema.get("format") in REGEX_FORMATS:
+        if "pattern" in schema and "format" in schema:
+            raise _refuse(path, "pattern and format do not go together here (one expression per string)")
+        pattern = schema["pattern"] if "pattern" in schema else REGEX_FORMATS[schema["format"]][0]
+        if not isinstance(pattern, str):
+            raise _refuse(path, "pattern must be a string")
+        if high is None and "format" in schema:
+            high = REGEX_FORMATS[schema["format"]][1]
+        try:
+            return regex_string(pattern, low, high)
+        except StructuredOutputError as e:
+            raise _refuse(path, str(e)) from None
+    if "format" in schema:
+        name = schema["format"]
+        if name not in FORMATS:
+            supported = sorted([*FORMATS, *REGEX_FORMATS])
+            raise _refuse(path, f"format {name!r} is not supported (supported: {supported})")
+        if "minLength" in schema or "maxLength" in schema:
+            raise _refuse(path, "minLength and maxLength do not go with a format (its shape fixes the length)")
+        return _Format(name)
     budget = DEFAULT_STRING_TOKENS if high is None else min(high + 1, MAX_STRING_TOKENS)
     return _String(max(budget, low + 1, 1), low, high)
 

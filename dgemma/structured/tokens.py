@@ -70,6 +70,16 @@ class TokenClasses:
         return mask
 
     @functools.cached_property
+    def single_chars(self) -> dict[str, int]:
+        """The token of each character that has one of its own (a string's characters: no quote,
+        backslash or control character)."""
+        found: dict[str, int] = {}
+        for i, t in enumerate(self.texts):
+            if len(t) == 1 and self._usable[i] and t not in '"\\' and ord(t) >= 0x20:
+                found.setdefault(t, i)
+        return found
+
+    @functools.cached_property
     def string_body(self) -> torch.Tensor:
         return self.where(lambda t: not any(c in '"\\' or ord(c) < 0x20 for c in t))
 
