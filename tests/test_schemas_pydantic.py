@@ -193,17 +193,28 @@ def test_formats_are_read_back_as_values_of_their_shape(code):
         ({"type": "integer", "multipleOf": 5, "minimum": 3, "maximum": 40}, {5, 10, 15, 20, 25, 30, 35, 40}),
         ({"type": "integer", "multipleOf": 25, "minimum": 0, "maximum": 5000}, None),  # digit by digit, rounded
         ({"type": "integer", "multipleOf": 7}, None),  # unbounded, rounded
+        ({"type": "number", "multipleOf": 0.1}, None),  # 0.3 / 0.1 is not whole in floats: never 0.3
+        ({"type": "number", "multipleOf": 0.01, "minimum": 0, "maximum": 100}, None),
+        ({"type": "number", "multipleOf": 0.25, "exclusiveMinimum": 0}, None),
     ],
 )
-def test_integer_multiples_are_valid_by_construction(code, schema, values):
+def test_multiples_are_valid_by_construction(code, schema, values):
+    """An integer or a number read back as the nearest multiple within the bounds, which jsonschema's
+    float division accepts; Pydantic's `multiple_of` reads it too."""
+    from pydantic import Field, create_model
+
     model, tok = code
     wrapped = {"type": "object", "properties": {"n": schema}, "required": ["n"], "additionalProperties": False}
+    kind = int if schema["type"] == "integer" else float
+    limits = {"gt": "exclusiveMinimum", "ge": "minimum", "le": "maximum", "multiple_of": "multipleOf"}
+    pydantic_model = create_model("M", n=(kind, Field(**{k: schema[v] for k, v in limits.items() if v in schema})))
     for seed in range(3):
         out = generate_json(model, "# a count\nconfig = ", wrapped, tokenizer=tok, seed=seed, retries=0, **KW)
         jsonschema.validate(out.value, wrapped)
+        pydantic_model.model_validate(out.value)
         assert values is None or out.value["n"] in values
-    with pytest.raises(StructuredOutputError, match="multipleOf"):
-        _plan(code, {"type": "number", "multipleOf": 0.5})
+    with pytest.raises(StructuredOutputError, match="an integer's multipleOf is supported as an integer"):
+        _plan(code, {"type": "integer", "multipleOf": 0.5})
 
 
 def test_hostile_schemas_are_refused_before_the_work_they_ask_for(code):

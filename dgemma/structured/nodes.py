@@ -265,13 +265,27 @@ class _Number:
         value = int(number) if self.integer or m.group(1) is None else float(number)
         return value if self.multiple is None else self._nearest_multiple(value)
 
-    multiple: int | None = None  # an integer's multipleOf (set by schema._number): read as the nearest
+    multiple: int | float | None = None  # multipleOf (set by schema._number): read as the nearest
+    exclusive: tuple[float | None, float | None] = (None, None)  # a number's exclusive bounds
 
-    def _nearest_multiple(self, value: int) -> int:
-        """The multiple of `multiple` nearest `value`, within the bounds (themselves multiples)."""
+    def _nearest_multiple(self, value: int | float) -> int | float:
+        """The multiple of `multiple` nearest `value` within the bounds. For a number, the nearest whose
+        float a validator divides back to a whole number (0.3 / 0.1 is not 3 in floats: 0.2 or 0.4 is
+        read instead); none near: the value as it is, for the validator to judge."""
         m, (low, high) = self.multiple, self.bounds
-        value = round(value / m) * m
-        return min(max(value, low if low is not None else value), high if high is not None else value)
+        k = round(value / m)
+        k = max(k, math.ceil(low / m)) if low is not None else k
+        k = min(k, math.floor(high / m)) if high is not None else k
+        if self.integer:
+            return k * m
+        (above, below), digits = self.exclusive, max(0, -math.floor(math.log10(m))) + 1
+        for j in sorted(range(k - 8, k + 9), key=lambda j: (abs(j - k), j)):
+            for x in (round(j * m, digits), j * m):
+                fits = (low is None or x >= low) and (high is None or x <= high)
+                fits = fits and (above is None or x > above) and (below is None or x < below)
+                if fits and math.isfinite(x) and (x / m).is_integer():
+                    return x
+        return value
 
 
 class _Choice:

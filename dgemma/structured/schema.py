@@ -262,8 +262,12 @@ def _number(schema: dict, integer: bool) -> _Number | _Choice:
         highs.append(math.ceil(schema["exclusiveMaximum"]) - 1 if integer else schema["exclusiveMaximum"])
     low, high = (max(lows) if lows else None), (min(highs) if highs else None)
     step = schema.get("multipleOf", 1)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise StructuredOutputError("schema: multipleOf is supported as a positive integer, on integers")
+    if not isinstance(step, int | float) or isinstance(step, bool) or not step > 0:
+        raise StructuredOutputError("schema: multipleOf must be a positive number")
+    if integer and not isinstance(step, int):
+        if not float(step).is_integer():
+            raise StructuredOutputError("schema: an integer's multipleOf is supported as an integer")
+        step = int(step)
     if integer:  # the bounds moved to multiples: every value read back is rounded to the nearest one
         low = None if low is None else math.ceil(low / step) * step
         high = None if high is None else math.floor(high / step) * step
@@ -280,5 +284,6 @@ def _number(schema: dict, integer: bool) -> _Number | _Choice:
     signed = low is None or low < 0
     digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
     node = _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
-    node.bounds, node.multiple = (low, high), (step if step > 1 else None)
+    node.bounds, node.multiple = (low, high), (step if step != 1 or not integer else None)
+    node.exclusive = (schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum"))
     return node

@@ -25,7 +25,7 @@ _KEYWORDS = {
     "array": {"items", "minItems", "maxItems"},
     "string": {"minLength", "maxLength", "format", "pattern"},
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
-    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "boolean": set(),
     "null": set(),
 }
