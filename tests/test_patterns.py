@@ -143,6 +143,7 @@ def test_automaton_agrees_with_re_on_random_strings():
         ({"pattern": r"(?i)^abc$"}, "inline flags are not supported"),
         ({"pattern": r'^"\d$'}, "needs a character a string escapes"),
         ({"pattern": r"\d{1000000}"}, "writes out to more than"),  # refused as it is written out
+        ({"pattern": r"(a?){2000}"}, "has more than 65536 transitions"),  # each copy may follow every other
         ({"pattern": r"^\d{200}$"}, "has no match of 0 to"),
         ({"pattern": "[a-z]", "maxLength": 2, "minLength": 3}, "maxLength is below minLength"),
         ({"pattern": "[a-z]+", "format": "email"}, "pattern and format do not go together"),

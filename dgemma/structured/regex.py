@@ -24,6 +24,7 @@ PRINTABLE = "".join(chr(i) for i in range(0x20, 0x7F) if chr(i) not in '"\\')  #
 MAX_PATTERN_CHARS = 128  # the longest string a pattern hole holds (a token per character)
 DEFAULT_PATTERN_CHARS = 32  # a pattern hole's length when neither the pattern nor maxLength bounds it
 MAX_STATES = 2048  # the automaton's character positions, repetitions written out
+MAX_EDGES = 65536  # its follow edges ((a?){2000} has two million): what a layout and a read walk
 MAX_CLASS_CHARS = 1024
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?"
 _BYTE = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -56,6 +57,7 @@ class Automaton:
         self.pattern = pattern
         self.chars: list[frozenset[str]] = []
         self.follow: list[set[int]] = []
+        self.edges = 0
         try:
             parsed = _parser.parse(pattern)
         except re.error as e:
@@ -95,12 +97,19 @@ class Automaton:
         self.follow.append(set())
         return len(self.chars) - 1
 
+    def _link(self, states: set[int], following: set[int]) -> None:
+        """Each of `states` may be followed by each of `following`."""
+        self.edges += len(states) * len(following)
+        if self.edges > MAX_EDGES:
+            raise StructuredOutputError(f"pattern {self.pattern!r} has more than {MAX_EDGES} transitions")
+        for p in states:
+            self.follow[p] |= following
+
     def _join(self, parts: Iterable[tuple[bool, set[int], set[int]]]) -> tuple[bool, set[int], set[int]]:
         """Parts one after the other."""
         nullable, first, last = True, set(), set()
         for n, f, lst in parts:
-            for p in last:
-                self.follow[p] |= f
+            self._link(last, f)
             first = first | f if nullable else first
             last = last | lst if n else set(lst)
             nullable = nullable and n
@@ -131,8 +140,7 @@ class Automaton:
         parts = [self._sequence(list(items)) for _ in range(low)]
         if high is _parser.MAXREPEAT:  # a loop: the last states lead back to the first
             _, f, lst = self._sequence(list(items))
-            for p in lst:
-                self.follow[p] |= f
+            self._link(lst, f)
             return self._join([*parts, (True, f, lst)])
         optional = None  # x{0,k} as x(x(x)?)?: each copy may end the repetition
         for _ in range(high - low):
