@@ -72,10 +72,14 @@ class Automaton:
     def matches(self, text: str) -> bool:
         states = {self.start}
         for ch in text:
-            states = {q for p in states for q in self.follow[p] if ch in self.chars[q]}
+            states = self.step(states, ch)
             if not states:
                 return False
         return bool(states & self.last)
+
+    def step(self, states: set[int], ch: str) -> set[int]:
+        """The states after reading `ch` from any of `states`."""
+        return {q for p in states for q in self.follow[p] if ch in self.chars[q]}
 
     def longest(self, limit: int) -> int:
         """The length of the longest match up to `limit` (`limit` when matches go on past it), -1: none."""
@@ -301,7 +305,7 @@ class _Regex:
             return
         states, j = {self.a.start}, i + 1
         while j < len(text) and text[j] != '"':
-            states = {q for p in states for q in self.a.follow[p] if text[j] in self.a.chars[q]}
+            states = self.a.step(states, text[j])
             if not states or j - i > self.max_length:
                 return
             j += 1
