@@ -1,12 +1,12 @@
 """Structured output as real clients ask for it: issue 42's matrix of Pydantic models and SDK calls, over HTTP.
 
-Eight everyday models (nested, Optional, Enum, Literal, a list of models, a union of models, dates and
-UUIDs, a recursive model), each sent by seven clients against a live `dgemma serve` of the shipped
-extraction model: openai's `parse()` plain and with `max_tokens=300`, a forced strict tool made by
-`openai.pydantic_function_tool`, langchain-openai's `with_structured_output` in its `json_schema` and
-`function_calling` methods, and instructor in its TOOLS and JSON_SCHEMA modes (where it is installed:
-`pip install instructor`). A case passes when the client returns the Pydantic object (its own parsing
-and validation); otherwise the table shows the first words of the error. The last column is the mean
+Nine everyday models (nested, Optional, Enum, Literal, a list of models, a union of models, dates and UUIDs, a
+recursive model, and an email, an IPv4 address and a `pattern`), each sent by seven clients against a live
+`dgemma serve` of the shipped extraction model: openai's `parse()` plain and with `max_tokens=300`, a forced
+strict tool made by `openai.pydantic_function_tool`, langchain-openai's `with_structured_output` in its
+`json_schema` and `function_calling` methods, and instructor in its TOOLS and JSON_SCHEMA modes (where it is
+installed: `pip install instructor`). A case passes when the client returns the Pydantic object (its own
+parsing and validation); otherwise the table shows the first words of the error. The last column is the mean
 seconds per answer (each a draft and a fill on the engine). Prints a table and ends with one JSON line.
 
     python benchmarks/client_schemas.py [--seeds 1] [--steps 6]
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import enum
+import ipaddress
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import openai
-from pydantic import BaseModel
+from pydantic import BaseModel, EmailStr, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the live server (tests/live_server.py)
 from live_server import KEY, LiveServer
@@ -100,7 +101,13 @@ class Category(BaseModel):
     children: list[Category] = []
 
 
-MODELS = [Nested, WithOptional, WithEnum, WithLiteral, ListOfModels, WithUnion, DatesAndIds, Category]
+class Contact(BaseModel):
+    email: EmailStr
+    server: ipaddress.IPv4Address
+    phone: str = Field(pattern=r"^\+\d{2} \d{3} \d{4}$")
+
+
+MODELS = [Nested, WithOptional, WithEnum, WithLiteral, ListOfModels, WithUnion, DatesAndIds, Category, Contact]
 PROMPT = "Ana Lopez from Porto ordered 2 red mugs, express."
 
 

@@ -233,7 +233,7 @@ def json_program(
     check_limit(plan, limit)
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     params = dataclasses.replace(params, early_commit=False)
-    seed, errors, steps = params.seed, [], 0
+    seed, errors, steps, text, base = params.seed, [], 0, None, plan
     if size == "draft" and plan.resize is not None:
         length = min(len(plan.template), limit or len(plan.template))
         draft = yield from result_of(
@@ -243,6 +243,8 @@ def json_program(
         plan = plan.resize(text, limit)
     elif plan.resize is not None and limit is not None:
         plan = plan.resize(None, limit)
+    if plan.open and base.resize is not None:
+        plan = yield from choose_branches(base, plan, prompt, text, limit)
     if plan.fixed:  # the shortest answer was all that fits, and it leaves nothing to choose
         value, error = yield from read_json(plan, prompt, plan.template[: plan.length])
         if error is not None:
@@ -264,6 +266,19 @@ def json_program(
             return
         errors.append(error)
     raise unsatisfied(retries + 1, errors[-1], steps)
+
+
+def choose_branches(base: JsonPlan, plan: JsonPlan, prompt: list[int], text: str | None, limit: int | None):
+    """`plan = yield from choose_branches(...)`: the unions `plan` leaves open (no draft value fits them)
+    set to the branch whose first tokens the model scores likeliest after the answer before it, outermost
+    first, then `base` resized by `text` (the draft, or None) within `limit` with those branches."""
+    branches: dict = {}
+    while plan.open:
+        for path, before, options in plan.branch_requests():
+            scored = yield ScoreCall(prompt + before, options)
+            branches[path] = max(range(len(options)), key=lambda i: float(scored.logprobs[i].sum()))
+        plan = base.resize(text, limit, branches)
+    return plan
 
 
 def _alternatives(result: GenerationResult) -> list[dict[int, float]] | None:

@@ -1,4 +1,4 @@
-"""Issue 42's matrix, in the suite: eight everyday Pydantic models, each sent by real clients (openai's
+"""Issue 42's matrix, in the suite: nine everyday Pydantic models, each sent by real clients (openai's
 `parse()` plain and with `max_tokens=300`, a forced `pydantic_function_tool`, langchain-openai's
 `with_structured_output` in both methods, instructor in its TOOLS and JSON_SCHEMA modes) to a live server
 of the shipped extraction model, and streamed over plain HTTP; every answer is read back by the client

@@ -12,11 +12,13 @@ from typing import Literal, Optional, Union
 
 import jsonschema
 import pytest
+import torch
 from pydantic import BaseModel
 
 import dgemma
-from dgemma.programs import generate_json
-from dgemma.structured import StructuredOutputError, compile_schema
+from dgemma.calls import Scores
+from dgemma.programs import choose_branches, generate_json
+from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
 from dgemma.tasks.code import MODEL_DIR
 
 KW = dict(max_denoising_steps=6)
@@ -102,6 +104,54 @@ def test_a_union_is_laid_out_as_the_branch_the_draft_wrote(code):
     assert '"pet":{"kind":"cat","lives":' in text and '"note":"' in text and '"note":null' not in text
     # no draft: the first branch that is not null (a value, not an absent one)
     assert '"pet":{"kind":"cat"' in pinned(_plan(code, schema))
+
+
+def _drive(program, choose):
+    """Run a program's Score calls by `choose(prompt, continuations)` (the index to favour); its result."""
+    reply = None
+    while True:
+        try:
+            call = program.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        best = choose(call.prompt, call.continuations)
+        reply = Scores([torch.tensor([0.0 if i == best else -9.0]) for i in range(len(call.continuations))])
+
+
+def test_a_union_no_draft_chose_takes_the_branch_the_model_scores_best(code):
+    """Without a draft (size="schema"), each open union is a Score call of its branches' first tokens
+    where they part, after the answer before it; a nested union is asked once its enclosing branch is
+    known, in the syntax the answer is written in (tool calls: bare keys, sorted)."""
+    model, tok = code
+    schema, asked = Order.model_json_schema(), []
+    plan = schema_plan(model, tok, schema)
+    assert {path for path, _ in plan.open} >= {("pet",), ("note",), ("count",), ("address", "zip")}
+
+    def last_branch(prompt, options):
+        asked.append((tok.decode(prompt[3:]), [tok.decode(o) for o in options]))
+        return len(options) - 1
+
+    chosen = _drive(choose_branches(plan, plan, [1, 2, 3], None, None), last_branch)
+    text = tok.decode([t for t in chosen.template if t is not None and t != chosen.end])
+    assert '"pet":{"kind":"dog","good":' in text and '"note":null' in text and '"count":null' in text
+    assert '"zip":null' in text and not chosen.open
+    pet = next(options for before, options in asked if before.endswith('"pet":'))
+    assert [o.removeprefix('{"kind":"') for o in pet] in (["c", "d"], ["cat", "dog"])  # cut where they part
+    # the context is the answer before the union, with the shortest values written in
+    assert any(before.startswith('{"item":"","color":"red"') for before, _ in asked)
+
+    nested = {
+        "anyOf": [{"type": "null"}, {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}]
+    }
+    plan, asked = schema_plan(model, tok, nested), []
+    chosen = _drive(choose_branches(plan, plan, [1], None, None), last_branch)
+    assert len(asked) > 1 and not chosen.open  # the outer array, then its items (asked together)
+    for size in ("draft", "schema"):  # a union at the top whose shortest answer is null is not a fixed answer
+        out = generate_json(model, "x = ", {"anyOf": [{"type": "string"}, {"type": "null"}]}, tokenizer=tok, size=size)
+        assert out.value is None or isinstance(out.value, str)
+    call = tool_call_plan(model, tok, "f", {"type": "object", "properties": {"b": {"type": ["string", "null"]}}})
+    (path, before, options) = call.branch_requests()[0]
+    assert path == ("b",) and tok.decode(before).endswith("call:f{b:") and len(options) == 2
 
 
 def test_a_recursive_model_stops_at_the_reference_depth(code):

@@ -354,17 +354,19 @@ class _Choice:
 
 class _Union:
     """One of several schemas (anyOf, oneOf, a list of types): laid out and read as the branch a drafted
-    value fits (`accepts`), else as the first that is not null. The answer is validated against the whole
-    schema, so a branch chosen so is checked as any other value."""
+    value fits (`accepts`); with none, `decided` stays False and the model's scores choose it
+    (dgemma.structured.unions), else it is the first that is not null. The answer is validated against
+    the whole schema, so a branch chosen so is checked as any other value."""
 
     def __init__(self, branches: list[Any]):
         self.branches = branches
         self.chosen = next((i for i, b in enumerate(branches) if not _is_null(b)), 0)
+        self.decided = False
 
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
         fit = next((i for i, b in enumerate(self.branches) if b.accepts(value)), None)
         if fit is not None:
-            self.chosen = fit
+            self.chosen, self.decided = fit, True
             self.branches[fit].size(value, c, syntax)
 
     def layout(self, b: _Layout) -> None:

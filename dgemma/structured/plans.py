@@ -17,9 +17,10 @@ from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
-from .nodes import _Invalid, _Layout, _Read, completed, json_text
+from .nodes import MISSING, _Invalid, _Layout, _Read, completed, json_text
 from .schema import MAX_VALUES, build, expanded
 from .tokens import GEMMA_ARGUMENTS, JSON, StructuredOutputError, Syntax, TokenClasses
+from .unions import Path, apply, parting, written
 
 
 @dataclass
@@ -34,11 +35,14 @@ class JsonPlan:
     classes: TokenClasses
     validator: Any = None
     holes: list[tuple[slice, torch.Tensor | None]] = field(default_factory=list)  # each hole and what ends it
-    resize: Callable[..., JsonPlan] | None = None  # (draft text, limit) -> the plan sized by it (schemas only)
+    resize: Callable[..., JsonPlan] | None = None  # (draft text, limit, branches) -> the plan sized by them
     end: int | None = None  # the end-of-text token the template is padded with
     length: int = 0  # the template's tokens before its end-of-text padding
     smallest: int = 0  # the tokens of the shortest valid answer's layout (what a limit must leave room for)
     scored: bool = False  # its reader wants the fill's scores (`read`'s alternatives): a pattern's holes
+    open: list = field(default_factory=list)  # (path, union) of the unions no draft chose (dgemma.structured.unions)
+    syntax: Syntax = JSON
+    wrap: tuple[str, str] = ("", "")
 
     @property
     def fixed(self) -> bool:
@@ -75,6 +79,17 @@ class JsonPlan:
             return None, error.message + (f" (at {where})" if where else "")
         return value, None
 
+    def branch_requests(self) -> list[tuple[Path, list[int], list[list[int]]]]:
+        """What to score to choose each open union's branch: (its path, the answer before it written with
+        the shortest values, each branch's first tokens up to where it parts from the others)."""
+        encode = functools.partial(self.classes.tokenizer.encode, add_special_tokens=False)
+        out = []
+        for path, union in self.open:
+            before = self.wrap[0] + written(self.root, self.syntax, path)[0]
+            options = parting([encode(written(b, self.syntax)[0]) for b in union.branches])
+            out.append((path, encode(before), options))
+        return out
+
     def score_request(
         self, prompt: list[int], tokens: list[int], position: int, options: list[list[int]]
     ) -> tuple[list[int], list[list[int]]]:
@@ -110,7 +125,17 @@ def compile_schema(
     last canvas. `draft`, a value the model wrote freely, sizes each value it holds with the right type
     (`draft_plan`); the others keep their schema budgets."""
     validator = _checked(schema)
+    if draft is None:  # no draft (a drafted null is not one: compile_schema's own callers never draft one)
+        return _not_fixed(_laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap))
     return _laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap, draft)
+
+
+def _not_fixed(plan: JsonPlan) -> JsonPlan:
+    """`plan`, laid out by its schema alone, unless it pins the whole answer (a tool call's may: a call
+    without arguments)."""
+    if plan.fixed and plan.wrap == ("", ""):
+        raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
+    return plan
 
 
 def _checked(schema: dict):
@@ -133,23 +158,32 @@ def _checked(schema: dict):
 
 
 def _laid_out(
-    schema: dict, validator, tokenizer, vocab_size: int, canvas_length: int, end_id: int, syntax, wrap, draft
+    schema: dict,
+    validator,
+    tokenizer,
+    vocab_size: int,
+    canvas_length: int,
+    end_id: int,
+    syntax,
+    wrap,
+    draft: Any = MISSING,
+    branches: dict[Path, int] | None = None,
 ) -> JsonPlan:
-    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), sized and laid out."""
+    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), sized by `draft`
+    (MISSING: none; None is a drafted null), its open unions set to `branches`, and laid out."""
     root = build(schema)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     root.size(draft, b.classes, syntax)
+    open_unions = apply(root, branches or {})
     b.text(wrap[0])
     root.layout(b)
     b.text(wrap[1])
     b.flush()
-    if draft is None and not any(x is None for x in b.template) and wrap == ("", ""):
-        raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
     pad = -len(b.template) % canvas_length
     template, allowed = b.template + [end_id] * pad, b.allowed + [None] * pad
     plan = JsonPlan(schema, template, allowed, root, b.classes, validator(schema), b.holes, end=end_id)
     plan.length = plan.smallest = len(b.template)
-    plan.scored = b.scored
+    plan.scored, plan.open, plan.syntax, plan.wrap = b.scored, open_unions, syntax, wrap
     return plan
 
 
@@ -169,16 +203,17 @@ def schema_plan(
     args = (tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0], syntax, wrap)
     validator = _checked(schema)
     read = read_draft or _drafted_json
-    plan = _laid_out(schema, validator, *args, None)
+    plan = _not_fixed(_laid_out(schema, validator, *args))
     fewest = build(schema).shortest()
     plan.smallest = _laid_out(schema, validator, *args, fewest).length
 
-    def resize(text: str | None, limit: int | None = None) -> JsonPlan:
-        """Sized by a draft's values (None: the schema's layout); past `limit` tokens, by the draft made
-        whole with the shortest valid values where it lacks them, then as the shortest answer."""
-        drafted = None if text is None else read(text, schema)
+    def resize(text: str | None, limit: int | None = None, branches: dict[Path, int] | None = None) -> JsonPlan:
+        """Sized by a draft's values (None: the schema's layout), the unions it leaves open set to
+        `branches`; past `limit` tokens, by the draft made whole with the shortest valid values where it
+        lacks them, then as the shortest answer."""
+        drafted = MISSING if text is None else read(text, schema)
         for value in (drafted, completed(build(schema), drafted), fewest):
-            sized = _laid_out(schema, validator, *args, value)
+            sized = _laid_out(schema, validator, *args, value, branches)
             if limit is None or sized.length <= limit:
                 return sized
         return sized
@@ -206,10 +241,10 @@ def _drafted_json(text: str, schema: dict) -> Any:
 
 
 def _drafted_call(name: str) -> Callable[[str, dict], Any]:
-    """The arguments of a free draft's first call of function `name` (None when it has none)."""
+    """The arguments of a free draft's first call of function `name` (MISSING when it has none)."""
 
     def read(text: str, schema: dict) -> Any:
-        return next((arguments for called, arguments in parse_tool_calls(text)[0] if called == name), None)
+        return next((arguments for called, arguments in parse_tool_calls(text)[0] if called == name), MISSING)
 
     return read
 
