@@ -204,6 +204,13 @@ def check_limit(plan: JsonPlan, limit: int | None) -> None:
         raise ValueError(f"max_new_tokens is {limit}, but the shortest valid answer takes {plan.smallest} tokens")
 
 
+def context_room(runner: Runner, prompt_len: int) -> int:
+    """The tokens the model's context leaves after a prompt, in whole canvases (what can be generated)."""
+    m = runner.model
+    canvas = m.config.canvas_length
+    return max(m.text_config.max_position_embeddings - prompt_len, 0) // canvas * canvas
+
+
 def check_json_options(retries: int, size: str) -> None:
     if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= MAX_RETRIES:
         raise ValueError(f"retries must be an integer in [0, {MAX_RETRIES}]")
@@ -231,6 +238,10 @@ def json_program(
     JsonResult, its text written by `write`; `pixels`: the prompt's images."""
     check_json_options(retries, size)
     check_limit(plan, limit)
+    if limit is None and plan.resize is not None:  # what the context leaves, as the server's default
+        limit = context_room(runner, len(prompt))
+        if plan.smallest > limit:
+            raise ValueError(f"the shortest valid answer takes {plan.smallest} tokens, but the context leaves {limit}")
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     params = dataclasses.replace(params, early_commit=False)
     seed, errors, steps, text, base = params.seed, [], 0, None, plan

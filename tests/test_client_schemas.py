@@ -66,3 +66,18 @@ def test_every_model_streamed(extract_server):
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         model_class.model_validate_json(text)
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop", model_class
+
+
+def test_the_one_refusal_is_the_models_context():
+    """The refused case passes on a model with a longer context (the shipped code model: 1024 positions;
+    its values are nonsense, as it was never trained for this, but valid by construction)."""
+    pytest.importorskip("instructor")
+    from dgemma.tasks.code import MODEL_DIR as CODE_DIR
+
+    app = create_app(dgemma.load(CODE_DIR), dgemma.Tokenizer.from_dir(CODE_DIR), model_name="extract", api_key=KEY)
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        for client_name, model_name in TOO_LONG:
+            model_class = next(m for m in MODELS if m.__name__ == model_name)
+            for seed in range(2):
+                assert isinstance(CLIENTS[client_name](client, live.url, model_class, seed, STEPS), model_class)

@@ -17,8 +17,11 @@ from pydantic import BaseModel
 
 import dgemma
 from dgemma.calls import Scores
-from dgemma.programs import choose_branches, generate_json
+from dgemma.programs import choose_branches, context_room, generate_json
+from dgemma.runtime.runner import as_runner
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
+from dgemma.structured.nodes import MISSING, completed
+from dgemma.structured.schema import build
 from dgemma.tasks.code import MODEL_DIR
 
 KW = dict(max_denoising_steps=6)
@@ -202,6 +205,28 @@ def test_max_new_tokens_is_an_upper_bound(code):
         assert len(tok.encode(out.text, add_special_tokens=False)) <= limit
     with pytest.raises(ValueError, match=r"max_new_tokens is 3, but the shortest valid answer takes \d+ tokens"):
         generate_json(model, "x", schema, tokenizer=tok, max_new_tokens=3, **KW)
+
+
+def test_without_max_new_tokens_the_bound_is_what_the_context_leaves(code):
+    """A recursive model's layout (lists of lists, 4 x 4 x 4) is longer than the context: the answer is
+    sized within what the context leaves after the prompt, its lists shortest and its strings at their
+    budgets (not the shortest answer, whose name is empty and which leaves nothing to generate)."""
+    model, tok = code
+    schema = Node.model_json_schema()
+    prompt = tok.encode("# a tree of names\n" * 60 + "tree = ")
+    assert len(_plan(code, schema).template) > context_room(as_runner(model), len(prompt))
+    for size in ("schema", "draft"):
+        out = generate_json(model, prompt, schema, tokenizer=tok, seed=0, size=size, **KW)
+        assert Node.model_validate(out.value) and out.steps > 0
+    tree = build(schema)
+    assert completed(tree, MISSING) == {"name": "", "children": []}
+    assert completed(tree, MISSING, budgets=True) == {"name": MISSING, "children": []}
+    assert completed(tree, {"children": [{"name": "a"}]}, budgets=True) == {
+        "name": MISSING,
+        "children": [{"name": "a", "children": []}],
+    }
+    with pytest.raises(ValueError, match=r"the shortest valid answer takes \d+ tokens, but the context leaves 0"):
+        generate_json(model, prompt * 3, {"type": "object", "properties": {"a": {"type": "string"}}}, tokenizer=tok)
 
 
 def test_formats_are_read_back_as_values_of_their_shape(code):

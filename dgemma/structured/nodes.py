@@ -402,18 +402,23 @@ def _same(a: Any, b: Any) -> bool:
 # and gives its shortest valid value (`shortest`: what an answer is laid out as when nothing longer fits).
 
 
-def completed(node: Any, value: Any) -> Any:
+def completed(node: Any, value: Any, budgets: bool = False) -> Any:
     """A drafted `value` made whole: every part it lacks, or holds with another shape, replaced by the
-    shortest valid one, so that sizing by it leaves nothing at the schema's (longer) layout."""
+    shortest valid one, so that sizing by it leaves nothing at the schema's (longer) layout. With
+    `budgets`, a part it lacks is the shortest only where that is a count (an array's items, a union's
+    branch): an object's keys are all there and a scalar is left MISSING, at its schema budget."""
     if isinstance(node, _Union):
         fit = next((b for b in node.branches if b.accepts(value)), None)
-        return node.shortest() if fit is None else completed(fit, value)
-    if isinstance(node, _Object) and isinstance(value, dict):
-        return {k: completed(n, value.get(k, MISSING)) for k, n in node.properties}
-    if isinstance(node, _Array) and isinstance(value, list):
-        count = min(max(len(value), node.min_items), len(node.items))
-        return [completed(n, value[i] if i < len(value) else MISSING) for i, n in enumerate(node.items[:count])]
-    return value if node.accepts(value) else node.shortest()
+        return node.shortest() if fit is None else completed(fit, value, budgets)
+    lacking = budgets and value is MISSING
+    if isinstance(node, _Object) and (isinstance(value, dict) or lacking):
+        got = value if isinstance(value, dict) else {}
+        return {k: completed(n, got.get(k, MISSING), budgets) for k, n in node.properties}
+    if isinstance(node, _Array) and (isinstance(value, list) or lacking):
+        got = value if isinstance(value, list) else []
+        count = min(max(len(got), node.min_items), len(node.items))
+        return [completed(n, got[i] if i < len(got) else MISSING, budgets) for i, n in enumerate(node.items[:count])]
+    return value if node.accepts(value) or lacking else node.shortest()
 
 
 class _Object:

@@ -209,10 +209,12 @@ def schema_plan(
 
     def resize(text: str | None, limit: int | None = None, branches: dict[Path, int] | None = None) -> JsonPlan:
         """Sized by a draft's values (None: the schema's layout), the unions it leaves open set to
-        `branches`; past `limit` tokens, by the draft made whole with the shortest valid values where it
-        lacks them, then as the shortest answer."""
+        `branches`; past `limit` tokens, by the draft made whole (`completed`): first with the fewest
+        items and the shortest branches where it lacks them, its scalars at their budgets, then with the
+        shortest values, then as the shortest answer."""
         drafted = MISSING if text is None else read(text, schema)
-        for value in (drafted, completed(build(schema), drafted), fewest):
+        tree = build(schema)
+        for value in (drafted, completed(tree, drafted, budgets=True), completed(tree, drafted), fewest):
             sized = _laid_out(schema, validator, *args, value, branches)
             if limit is None or sized.length <= limit:
                 return sized
