@@ -22,6 +22,7 @@ import torch
 from .kv_cache import KVCache
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
+from .vision import Pixels
 
 
 @dataclass
@@ -64,6 +65,7 @@ class ScoreCall:
     prompt: list[int]
     continuations: list[list[int]]
     top: int = 0
+    pixels: Any = None  # vision.Pixels of the images whose placeholders the prompt holds
 
 
 @dataclass
@@ -99,10 +101,12 @@ class LogitsBuffer:
 
 
 @torch.no_grad()
-def score(model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]], top: int = 0) -> Scores:
+def score(
+    model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]], top: int = 0, pixels=None
+) -> Scores:
     """What a ScoreCall asks for, in two causal passes with every continuation a row: the prompt but its
-    last token, then that token and the continuations, right-padded (a causal encoder never lets a real
-    token see the padding after it)."""
+    last token (with its images, `pixels`, once per row), then that token and the continuations,
+    right-padded (a causal encoder never lets a real token see the padding after it)."""
     runner = as_runner(model)
     model = runner.model
     rows = len(continuations)
@@ -114,7 +118,8 @@ def score(model: DiffusionGemma | Runner, prompt: list[int], continuations: list
         tail[i, : 1 + len(c)] = torch.tensor(prompt[-1:] + c)
     cache = model.new_cache(rows, len(prompt) - 1 + width)
     if len(prompt) > 1:
-        runner.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache)
+        images = None if pixels is None else Pixels.cat([pixels] * rows)
+        runner.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache, pixels=images)
     tail = tail.to(model.device)
     logp = torch.log_softmax(runner.encode(tail, cache, return_logits=True).logits[:, :-1].float(), dim=-1)
     token_logp = logp.gather(-1, tail[:, 1:, None]).squeeze(-1)
@@ -137,7 +142,7 @@ def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) 
     """Run one model call on `runner`: a DenoiseCall's logits (written into `buffer`'s rows where the
     runner writes in place), a ScoreCall's Scores, None for an EncodeCall."""
     if isinstance(call, ScoreCall):
-        return score(runner, call.prompt, call.continuations, call.top)
+        return score(runner, call.prompt, call.continuations, call.top, call.pixels)
     if isinstance(call, EncodeCall):
         runner.encode(call.ids, call.cache, call.attention_mask, pixels=call.pixels, is_generated=call.is_generated)
         return None

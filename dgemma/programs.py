@@ -245,7 +245,7 @@ def json_program(
     params = dataclasses.replace(params or SamplingParams(), **overrides)
     params = dataclasses.replace(params, early_commit=False)
     seed, errors, steps, text, base = params.seed, [], 0, None, plan
-    if size == "draft" and plan.resize is not None:
+    if size == "draft" and plan.resize is not None and not (plan.fixed and not plan.open):  # else nothing to size
         length = min(len(plan.template), limit or len(plan.template))
         draft = yield from result_of(
             generate_program(runner, [prompt], params, max_new_tokens=length, pixels=pixels), passes=(DraftEvent,)
@@ -255,9 +255,9 @@ def json_program(
     elif plan.resize is not None and limit is not None:
         plan = plan.resize(None, limit)
     if plan.open and base.resize is not None:
-        plan = yield from choose_branches(base, plan, prompt, text, limit)
+        plan = yield from choose_branches(base, plan, prompt, text, limit, pixels)
     if plan.fixed:  # the shortest answer was all that fits, and it leaves nothing to choose
-        value, error = yield from read_json(plan, prompt, plan.template[: plan.length])
+        value, error = yield from read_json(plan, prompt, plan.template[: plan.length], pixels=pixels)
         if error is not None:
             raise unsatisfied(1, error, steps)
         yield DoneEvent(JsonResult(value, write(value), 1, steps, None, errors))
@@ -271,7 +271,7 @@ def json_program(
         )
         result = yield from result_of(filled, passes=(DraftEvent,))
         steps += sum(result.stats.steps_per_canvas[0])
-        value, error = yield from read_json(plan, prompt, result.tokens[0], _alternatives(result))
+        value, error = yield from read_json(plan, prompt, result.tokens[0], _alternatives(result), pixels)
         if error is None:
             yield DoneEvent(JsonResult(value, write(value), attempt + 1, steps, result, errors))
             return
@@ -279,14 +279,16 @@ def json_program(
     raise unsatisfied(retries + 1, errors[-1], steps)
 
 
-def choose_branches(base: JsonPlan, plan: JsonPlan, prompt: list[int], text: str | None, limit: int | None):
+def choose_branches(
+    base: JsonPlan, plan: JsonPlan, prompt: list[int], text: str | None, limit: int | None, pixels=None
+):
     """`plan = yield from choose_branches(...)`: the unions `plan` leaves open (no draft value fits them)
     set to the branch whose first tokens the model scores likeliest after the answer before it, outermost
     first, then `base` resized by `text` (the draft, or None) within `limit` with those branches."""
     branches: dict = {}
     while plan.open:
         for path, before, options in plan.branch_requests():
-            scored = yield ScoreCall(prompt + before, options)
+            scored = yield ScoreCall(prompt + before, options, pixels=pixels)
             branches[path] = max(range(len(options)), key=lambda i: float(scored.logprobs[i].sum()))
         plan = base.resize(text, limit, branches)
     return plan
@@ -300,11 +302,11 @@ def _alternatives(result: GenerationResult) -> list[dict[int, float]] | None:
     return [dict(top) | {token: lp} for token, lp, top in pairs]
 
 
-def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives=None):
+def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives=None, pixels=None):
     """`value, error = yield from read_json(...)`: `plan.read`, its choices between options spelled alike
     asked of the model as Score calls. The reader asks as it goes; each round reads with the answers
     known so far and asks what is still open, so that every choice is scored once. `alternatives`: the
-    fill's scores (`JsonPlan.read`)."""
+    fill's scores (`JsonPlan.read`); `pixels`: the prompt's images."""
     answers: dict = {}
     while True:
         asked: dict = {}
@@ -319,7 +321,7 @@ def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives
         if not asked:
             return value, error
         for key, (position, options) in asked.items():
-            scored = yield ScoreCall(*plan.score_request(prompt, tokens, position, options))
+            scored = yield ScoreCall(*plan.score_request(prompt, tokens, position, options), pixels=pixels)
             answers[key] = max(range(len(options)), key=lambda i: float(scored.logprobs[i].sum()))
 
 
@@ -391,12 +393,14 @@ def option_ids(model: DiffusionGemma, options: list, tokenizer=None) -> list[lis
     return out
 
 
-def choose_program(runner: Runner, prompt: list[int], options: list, ids: list[list[int]], whole: bool = True):
+def choose_program(
+    runner: Runner, prompt: list[int], options: list, ids: list[list[int]], whole: bool = True, pixels=None
+):
     """The option the model most likely answers `prompt` with: each scored by the encoder's summed
     log-probability of its tokens `ids` and of the end-of-text token after them (so an option is scored
     as the whole answer; `whole=False`: as the start of the answer), all in one Score call. A Chosen."""
     end = end_of_text_ids(runner.model)[:1] if whole else []
-    scored = yield ScoreCall(prompt, [o + end for o in ids])
+    scored = yield ScoreCall(prompt, [o + end for o in ids], pixels=pixels)
     scores = [float(lp.sum()) for lp in scored.logprobs]
     best = max(range(len(options)), key=scores.__getitem__)
     yield DoneEvent(Chosen(best, options[best], scores))
@@ -465,7 +469,8 @@ def tool_call_program(
         index = 0
     else:  # the call's start that the encoder scores best as the answer's start (choose, whole=False)
         starts = [tokenizer.encode(f"{CALL_OPEN}call:{n}{{", add_special_tokens=False) for n in names]
-        chosen = yield from result_of(choose_program(runner, prompt, names, starts, whole=False))
+        pixels = overrides.get("pixels")
+        chosen = yield from result_of(choose_program(runner, prompt, names, starts, whole=False, pixels=pixels))
         index, scores = chosen.index, chosen.scores
     name, plan = plans[index]
     if plan.fixed:  # a function without arguments: nothing to generate
@@ -496,7 +501,7 @@ def auto_program(
     a call (`tool_call_program`: the function it scores best, its arguments by construction); anything
     else, and the answer is text (the canvas loop, its tokens streamed). A ToolCall or a GenerationResult."""
     opening = tokenizer.encode(CALL_OPEN, add_special_tokens=False)[:1]
-    scored = yield ScoreCall(prompt, [opening], top=1)
+    scored = yield ScoreCall(prompt, [opening], top=1, pixels=pixels)
     if scored.top[0][0][0][0] == opening[0]:
         given = dict(tokenizer=tokenizer, retries=retries, size=size, limit=limit, pixels=pixels)
         call = tool_call_program(runner, prompt, plans, params, **given, **overrides)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -334,3 +336,47 @@ def test_memory_comes_back_after_a_burst_of_decodes():
     assert peak > base + 60 and settled < base + 30, (base, peak, settled)
     base, peak, settled = run("keep")
     assert settled > base + 60, (base, peak, settled)
+
+
+def test_answers_shaped_by_the_models_scores_see_the_images(vision):
+    """A JSON answer whose enum or union the encoder's scores choose, a call of one of several tools (the
+    one it scores best) and tool_choice auto: each Score call carries the prompt's images, so they work
+    with images as without (they were a 400: placeholders without pixels). The scores are those of the
+    library's programs given the same pixels."""
+    live, path = vision
+    from PIL import Image
+
+    from dgemma.calls import ScoreCall, answer
+    from dgemma.images import chat_prompt
+    from dgemma.runtime.runner import as_runner
+
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "rose", "blue"]}, "note": {"type": ["string", "null"]}},
+        "required": ["colour", "note"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+        for n in ("look", "describe")
+    ]
+    png = _png(40, 30, 4)
+    asks = [{"response_format": fmt}, {"tools": tools, "tool_choice": "required"}, {"tools": tools}]
+    for extra in asks:
+        body = {"model": "tiny", "messages": _ask(_url(png)), "max_denoising_steps": 3, "seed": 1, **extra}
+        r = _post(live.url, body)
+        assert r.status_code == 200, (extra, r.text)
+        message = r.json()["choices"][0]["message"]
+        if "response_format" in extra:
+            assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(message["content"]))
+        elif extra.get("tool_choice") == "required":
+            assert message["tool_calls"][0]["function"]["name"] in ("look", "describe")
+    model, tok = dgemma.load(path), dgemma.Tokenizer.from_dir(path)
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(png))},
+                                             {"type": "text", "text": "what is this?"}]}]  # fmt: skip
+    ids, pixels = chat_prompt(tok, model.config, messages)
+    two = answer(as_runner(model), ScoreCall(ids, [[5, 6], [7]], pixels=pixels))
+    one = answer(as_runner(model), ScoreCall(ids, [[7]], pixels=pixels))
+    torch.testing.assert_close(two.logprobs[1], one.logprobs[0], rtol=0, atol=1e-4)  # rows see the same images
+    with pytest.raises(ValueError, match="no images were given"):
+        answer(as_runner(model), ScoreCall(ids, [[7]]))

@@ -117,8 +117,8 @@ async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
         choices = await _chosen(served, body, [prompt], requested, param)
     elif body.forced_call:
         choices = await _call_choices(served, body, prompt, pixels, tools)
-    elif use_tools and _decides(body, pixels):
-        choices = await _auto_choices(served, body, prompt, tools)
+    elif use_tools and _decides(body):
+        choices = await _auto_choices(served, body, prompt, pixels, tools)
     else:
         choices = await _json_choices(served, body, [prompt], (requested, param, "messages"), pixels)
         choices = choices or _chat_choices(served, body, prompt, pixels)
@@ -214,8 +214,6 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, "response_format: a required tool call is the answer's format", "response_format")
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-    if named is None and len(body.tools) > 1 and pixels is not None:
-        raise ApiError(400, "tool_choice: with images, name the function to call", "tool_choice")
     plans = await _tool_plans(served, tools)
     callable_ = [p for n, p in plans if named is None or n == named]
     requested, param = body.requested_tokens
@@ -237,15 +235,15 @@ async def _tool_plans(served: Served, tools: list[dict]):
         raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
 
 
-def _decides(body: ChatCompletionRequest, pixels) -> bool:
+def _decides(body: ChatCompletionRequest) -> bool:
     """Whether tool_choice "auto" is the model's choice between text and a call by its scores
-    (`auto_program`): a text prompt whose answer starts with either (no thinking first), no JSON format, no
-    stop strings or logprobs (those are for text); otherwise the answer is free text, calls read out of it."""
+    (`auto_program`): an answer that starts with either (no thinking first), no JSON format, no stop
+    strings or logprobs (those are for text); otherwise the answer is free text, calls read out of it."""
     plain = body.response_format is None or body.response_format.type == "text"
-    return pixels is None and plain and not (body.reasoning or body.stop or body.logprobs)
+    return plain and not (body.reasoning or body.stop or body.logprobs)
 
 
-async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], tools: list[dict]):
+async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list[dict]):
     """tool_choice "auto": per choice, the model's scores decide between text and a call (a call's
     arguments by construction, within max_tokens as text's tokens are)."""
     plans = await _tool_plans(served, tools)
@@ -254,7 +252,7 @@ async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     runner, tok = served.engine.runner, served.tokenizer
 
     def build(_j: int, seed: int | None):
-        given = dict(tokenizer=tok, retries=_retries(body), limit=params.max_new_tokens)
+        given = dict(tokenizer=tok, retries=_retries(body), limit=params.max_new_tokens, pixels=pixels)
         return auto_program(runner, prompt, plans, replace(params, seed=seed), **given)
 
     return _submit(served, body, build, params, [len(prompt)])

@@ -113,20 +113,24 @@ class _String:
     def __init__(self, budget: int, min_length: int, max_length: int | None):
         self.budget, self.min_length, self.max_length = budget, min_length, max_length
         self.length: int | None = None  # sized: exactly this many tokens, the closing quote pinned
+        self.least = 1  # sized: the characters each of its tokens holds at least (minLength by construction)
 
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
         fits = isinstance(value, str) and self.min_length <= len(value)
         if fits and (self.max_length is None or len(value) <= self.max_length):
             ids = c.tokenizer.encode(value, add_special_tokens=False) if value else []
             body = c.string(syntax)[0]
-            if len(ids) <= self.budget and all(t < c.vocab_size and bool(body[t]) for t in ids):
-                self.length = len(ids)
+            # each position holds at least `least` characters, so that n positions hold minLength
+            least = -(-self.min_length // len(ids)) if ids else 0
+            fits = len(ids) <= self.budget and all(t < c.vocab_size and len(c.texts[t]) >= least for t in ids)
+            if fits and all(bool(body[t]) for t in ids):
+                self.length, self.least = len(ids), least
 
     def layout(self, b: _Layout) -> None:
         b.text(b.syntax.string_open)
         body, self.close = b.classes.string(b.syntax)
         if self.length is not None:
-            self.span = b.hole([body] * self.length)
+            self.span = b.hole([body & b.classes.at_least(self.least) if self.least > 1 else body] * self.length)
             b.text(b.syntax.string_open)
             return
         # a token holds at least one character: `minLength` positions that cannot close the string
@@ -135,7 +139,9 @@ class _String:
         self.span = b.hole([body] * first + [body | self.close] * (self.budget - first), self.close)
 
     def accepts(self, value: Any) -> bool:
-        return isinstance(value, str)
+        if not isinstance(value, str):
+            return False
+        return self.min_length <= len(value) and (self.max_length is None or len(value) <= self.max_length)
 
     def shortest(self) -> str:
         return "a" * self.min_length
@@ -216,11 +222,26 @@ class _Number:
 
     def accepts(self, value: Any) -> bool:
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        return numeric and (isinstance(value, int) or not self.integer)
+        if not numeric or not (isinstance(value, int) or not self.integer):
+            return False
+        low, high = self.bounds
+        return (low is None or value >= low) and (high is None or value <= high)
 
     def shortest(self) -> int | float:
-        low, high = self.bounds
-        return low if low is not None and low > 0 else (0 if high is None or high >= 0 else high)
+        """The valid value nearest 0: a bound (inside it when exclusive), a multiple if asked."""
+        (low, high), (above, below) = self.bounds, self.exclusive
+        value = low if low is not None and low > 0 else (0 if high is None or high >= 0 else high)
+        ends = [v for v in (low, above, high, below) if v is not None]
+        middle = (min(ends) + max(ends)) / 2 if ends else 0
+        nudged = [v + d for v, d in ((above, 1), (below, -1)) if v is not None]
+        value = next((v for v in (value, *nudged, middle) if self.accepts_strictly(v)), value)
+        return value if self.multiple is None else self._nearest_multiple(value)
+
+    def accepts_strictly(self, value: int | float) -> bool:
+        """Within the bounds, the exclusive ones excluded."""
+        (low, high), (above, below) = self.bounds, self.exclusive
+        inclusive = (low is None or value >= low) and (high is None or value <= high)
+        return inclusive and (above is None or value > above) and (below is None or value < below)
 
     def scan(self, text: str, i: int):
         j = i + (text[i : i + 1] == "-")
@@ -484,7 +505,7 @@ class _Array:
         b.text("]")
 
     def accepts(self, value: Any) -> bool:
-        return isinstance(value, list)
+        return isinstance(value, list) and self.min_items <= len(value) <= len(self.items)
 
     def shortest(self) -> list:
         return [n.shortest() for n in self.items[: self.min_items]]

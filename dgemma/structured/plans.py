@@ -125,17 +125,8 @@ def compile_schema(
     last canvas. `draft`, a value the model wrote freely, sizes each value it holds with the right type
     (`draft_plan`); the others keep their schema budgets."""
     validator = _checked(schema)
-    if draft is None:  # no draft (a drafted null is not one: compile_schema's own callers never draft one)
-        return _not_fixed(_laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap))
-    return _laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap, draft)
-
-
-def _not_fixed(plan: JsonPlan) -> JsonPlan:
-    """`plan`, laid out by its schema alone, unless it pins the whole answer (a tool call's may: a call
-    without arguments)."""
-    if plan.fixed and plan.wrap == ("", ""):
-        raise StructuredOutputError("the schema fixes the whole answer: there is nothing to generate")
-    return plan
+    drafted = MISSING if draft is None else draft  # no draft (compile_schema's callers never draft a null)
+    return _laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap, drafted)
 
 
 def _checked(schema: dict):
@@ -203,7 +194,7 @@ def schema_plan(
     args = (tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0], syntax, wrap)
     validator = _checked(schema)
     read = read_draft or _drafted_json
-    plan = _not_fixed(_laid_out(schema, validator, *args))
+    plan = _laid_out(schema, validator, *args)
     fewest = build(schema).shortest()
     plan.smallest = _laid_out(schema, validator, *args, fewest).length
 

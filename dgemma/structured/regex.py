@@ -198,7 +198,8 @@ class _Regex:
             self.length = len(value)
 
     def accepts(self, value: Any) -> bool:
-        return isinstance(value, str)
+        fits = isinstance(value, str) and self.min_length <= len(value) <= self.max_length
+        return fits and self.a.matches(value)
 
     def shortest(self) -> str:
         """The shortest match (of the smallest characters), at least `min_length` long."""

@@ -206,10 +206,8 @@ def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
         raise _refuse(path, "minItems and maxItems must be integers with 0 <= minItems <= maxItems")
     if high > MAX_ITEMS:
         raise _refuse(path, f"maxItems is at most {MAX_ITEMS} here (got {high})")
-    if "items" not in schema:
-        raise _refuse(path, "an array needs items (the schema of its elements)")
-    try:
-        items = [_node(schema["items"], f"{path}.items", depth + 1, refs) for _ in range(high)]
+    try:  # without items, any values (a union of the scalar types, as `{}`)
+        items = [_node(schema.get("items", {}), f"{path}.items", depth + 1, refs) for _ in range(high)]
     except _TooDeep:
         if low:
             raise

@@ -58,6 +58,7 @@ class TokenClasses:
         self._usable = [i not in special and t != "" and "\ufffd" not in t for i, t in enumerate(self.texts)]
         self._argument_strings: tuple[torch.Tensor, torch.Tensor] | None = None
         self._digits_of: dict[int, torch.Tensor] = {}
+        self._at_least: dict[int, torch.Tensor] = {}
 
     def usable(self, token: int) -> bool:
         """Whether `token` may stand in a value (not special, not a byte piece)."""
@@ -109,6 +110,12 @@ class TokenClasses:
         if n not in self._digits_of:
             self._digits_of[n] = self.digits & self.where(lambda t: len(t) == n)
         return self._digits_of[n]
+
+    def at_least(self, n: int) -> torch.Tensor:
+        """The tokens of at least `n` characters."""
+        if n not in self._at_least:
+            self._at_least[n] = self.where(lambda t: len(t) >= n)
+        return self._at_least[n]
 
     @functools.cached_property
     def one_digit(self) -> torch.Tensor:
