@@ -48,7 +48,7 @@ _TEXT_KEYS_UNUSED = _PRETRAINED_KEYS | frozenset([
     "use_double_wide_mlp",
 ])
 # fmt: on
-_TEXT_KEYS_READ = ("per_layer_config", "attention_k_eq_v")
+_TEXT_KEYS_READ = ("per_layer_config",)
 _TEXT_KEYS_REFUSED = ("hidden_size_per_layer_input", "num_kv_shared_layers")  # E2B/E4B features, refused if set
 # transformers' generation_config.json carries dozens of autoregressive sampling keys that DiffusionGemma's
 # sampler does not use: unknown keys there pass silently, except close misspellings of dgemma's own keys
@@ -129,6 +129,15 @@ def _default_rope_parameters() -> dict[str, dict[str, Any]]:
     }
 
 
+# The text fields of a model adapted from an autoregressive Gemma, at DiffusionGemma's values
+_ADAPTED_DEFAULTS = {
+    "query_pre_attn_scalar": None,
+    "use_value_norm": True,
+    "attention_k_eq_v": True,
+    "mlp_post_norm": True,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """Everything that differs between layers, resolved for one layer index."""
@@ -140,6 +149,7 @@ class LayerSpec:
     rope_theta: float
     partial_rotary_factor: float
     sliding_window: int | None  # None on full-attention layers
+    k_eq_v: bool = True  # full layers' values are their keys (Gemma 4); False: a v_proj of their own
 
     @property
     def is_sliding(self) -> bool:
@@ -147,8 +157,8 @@ class LayerSpec:
 
     @property
     def has_v_proj(self) -> bool:
-        """Global layers have no v_proj: their values are the raw k_proj output (K = V)."""
-        return self.is_sliding
+        """Global layers have no v_proj: their values are the raw k_proj output (K = V), unless k_eq_v is off."""
+        return self.is_sliding or not self.k_eq_v
 
 
 @dataclass(slots=True)
@@ -181,14 +191,24 @@ class TextConfig:
     initializer_range: float = 0.02
     # "vision": the tokens of one image attend to each other both ways, on every layer (see vision.py)
     use_bidirectional_attention: str | None = None
+    # What a model adapted from an autoregressive Gemma needs (dgemma/checkpoints/from_ar.py); the defaults
+    # are DiffusionGemma's, so a released checkpoint never sets them. Gemma 3: attention scores scaled by
+    # query_pre_attn_scalar ** -0.5 (None: 1.0, Gemma 4), no value norm, values of their own on full layers;
+    # Gemma 3 and Gemma 4 dense layers: the MLP's output normed once (post_feedforward_layernorm), not first
+    # by post_feedforward_layernorm_1 as in the MoE layer.
+    query_pre_attn_scalar: float | None = None
+    use_value_norm: bool = True
+    attention_k_eq_v: bool = True
+    mlp_post_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
             # Gemma 4's pattern: five sliding-window layers, then one global layer.
             self.layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
         self.layer_types = list(self.layer_types)
-        if self.layer_types and self.layer_types[-1] != FULL:
-            # The reference forces this too (with a warning); doing the same keeps numerics identical.
+        if self.layer_types and self.layer_types[-1] != FULL and self.use_value_norm:
+            # The reference forces this too (with a warning); doing the same keeps numerics identical. A
+            # Gemma 3 stack (no value norm) keeps its pattern: Gemma 3 1B ends on a sliding layer.
             warnings.warn(
                 "the last layer must use full attention; forcing layer_types[-1] = 'full_attention'", stacklevel=2
             )
@@ -217,6 +237,7 @@ class TextConfig:
             rope_theta=float(rope["rope_theta"]),
             partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
             sliding_window=None if is_full else self.sliding_window,
+            k_eq_v=self.attention_k_eq_v,
         )
 
     @property
@@ -333,6 +354,8 @@ class TextConfig:
             "per_layer_config": dict | None,
         }
         hints.update(attention_k_eq_v=bool | None)
+        if d.get("attention_k_eq_v") is None:
+            d.pop("attention_k_eq_v", None)
         check_types(d, hints, where)
         for name, rope in (d.get("rope_parameters") or {}).items():
             rope_hints = {"rope_type": str, "rope_theta": float, "partial_rotary_factor": float}
@@ -375,7 +398,9 @@ class TextConfig:
         (their V is their K), which transformers 5.23 turns into its `per_layer_config` on reading and
         vLLM reads as they are (vLLM knows no `per_layer_config`)."""
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        d["attention_k_eq_v"] = True
+        for name, default in _ADAPTED_DEFAULTS.items():  # a released checkpoint's file stays as it was
+            if d[name] == default and name != "attention_k_eq_v":
+                del d[name]
         d["model_type"] = "diffusion_gemma_text"
         d["hidden_activation"] = "gelu_pytorch_tanh"
         d["tie_word_embeddings"] = True

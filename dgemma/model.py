@@ -82,7 +82,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Gemma 4 attention: q/k RMSNorm before RoPE, v_norm without weight, scale 1.0, GQA.
 
-    Global layers have no v_proj: the values are the raw k_proj output (before k_norm and RoPE).
+    Global layers have no v_proj: the values are the raw k_proj output (before k_norm and RoPE). A model
+    adapted from Gemma 3 has values of its own there, no v_norm and its scale (`query_pre_attn_scalar`).
     """
 
     def __init__(self, config: TextConfig, layer_idx: int):
@@ -97,7 +98,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.v_norm = RMSNorm(d, config.rms_norm_eps, with_scale=False)
+        self.v_norm = RMSNorm(d, config.rms_norm_eps, with_scale=False) if config.use_value_norm else None
+        scalar = config.query_pre_attn_scalar
+        self.scale = 1.0 if scalar is None else scalar**-0.5  # Gemma 4: 1.0 (q and k are normed)
 
     def forward(
         self,
@@ -114,14 +117,14 @@ class Attention(nn.Module):
         k_raw = self.k_proj(x).view(b, t, -1, d)
         v = self.v_proj(x).view(b, t, -1, d) if self.v_proj is not None else k_raw
         k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v)
+        v = self.v_norm(v) if self.v_norm is not None else v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
         if writes_cache:
             keys, values = cache.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
         else:
             keys, values = cache.with_prefix(self.layer_idx, k, v)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != keys.shape[1]
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -224,7 +227,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(m, eps)
         self.pre_feedforward_layernorm = RMSNorm(m, eps)
         self.post_feedforward_layernorm = RMSNorm(m, eps)
-        self.post_feedforward_layernorm_1 = RMSNorm(m, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(m, eps) if config.mlp_post_norm or config.has_experts else None
         if config.has_experts:
             self.router = Router(config)
             self.experts = Experts(config)
@@ -240,7 +243,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos_sin, cache, mask, writes_cache=is_encoder)
         r = x + self.post_attention_layernorm(h)
-        ff = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
+        ff = self.mlp(self.pre_feedforward_layernorm(r))
+        ff = ff if self.post_feedforward_layernorm_1 is None else self.post_feedforward_layernorm_1(ff)
         if self.experts is not None:
             flat = r.reshape(-1, r.shape[-1])
             weights, index = self.router(flat)

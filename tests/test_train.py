@@ -141,6 +141,45 @@ def test_encoder_never_sees_noisy_tokens():
     assert parts["encoder_loss"] == parts2["encoder_loss"] and parts["diffusion_loss"] != parts2["diffusion_loss"]
 
 
+def test_teacher_kl_is_the_frozen_ar_models_distribution_against_the_denoisers():
+    """KL(teacher || denoiser) at each canvas position: the teacher's causal next-token distribution of
+    the canvas token (from the position before it, over the clean text), against a reference computed on
+    whole logits; only the student gets gradients; a zero weight adds nothing and logs nothing."""
+    import copy
+
+    from dgemma.train.objective import teacher_kl
+
+    model = dgemma.build(dgemma.preset("tiny"))
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():  # a teacher that differs from the student
+        for p in teacher.parameters():
+            p.mul_(1.1)
+    batch, cfg = _batch(model, EXAMPLES), ObjectiveConfig(teacher_kl_weight=0.5, logit_chunk_tokens=5)
+    start, c = batch.canvas_start, batch.clean.shape[1]
+    cache = model.new_cache(3, batch.ids.shape[1], keep_all=True)
+    model.encode(batch.ids, cache, attention_mask=batch.valid)
+    hidden = model.denoise_hidden(batch.noisy, cache.prefix(start))
+    kl, per_example = teacher_kl(model, hidden, teacher, batch, cfg)
+    with torch.no_grad():
+        width = start + c - 1
+        t_cache, mask = teacher.new_cache(3, width), batch.valid[:, :width]
+        t_logits = teacher.encode(batch.ids[:, :width], t_cache, attention_mask=mask, return_logits=True).logits
+        t_logits = t_logits[:, start - 1 :]
+        p = torch.log_softmax(t_logits, -1)
+        q = torch.log_softmax(model.lm_head(hidden), -1)
+        per_token = (p.exp() * (p - q)).sum(-1)
+        weight = batch.ar_targets[:, start : start + c].float() * batch.supervised.float()
+        expected = ((per_token * weight).sum(-1) / weight.sum(-1)).mean()
+    torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-5)  # chunked against whole: rounding only
+    assert float(kl) > 0 and (per_example >= -1e-6).all()
+    kl.backward()
+    assert model.embed_tokens.weight.grad is not None and teacher.embed_tokens.weight.grad is None
+    loss, parts = block_diffusion_loss(model, batch, cfg, teacher)
+    base, base_parts = block_diffusion_loss(model, batch, ObjectiveConfig(logit_chunk_tokens=5), teacher)
+    assert "teacher_kl" in parts and "teacher_kl" not in base_parts
+    torch.testing.assert_close(loss, base + 0.5 * parts["teacher_kl"], rtol=1e-5, atol=1e-5)
+
+
 def test_pass_one_has_no_gradient_and_zero_signal_is_exactly_zero(monkeypatch):
     model = dgemma.build(dgemma.preset("tiny"))
     seen = []

@@ -80,7 +80,7 @@ def gguf_path(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def _reader(path: Path):
+def open_gguf(path: Path):
     try:
         from gguf import GGUFReader
     except ImportError as e:
@@ -91,7 +91,7 @@ def _reader(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-def _field(reader, key: str, default=None):
+def gguf_field(reader, key: str, default=None):
     """A metadata value; float32 ones as the shortest decimal that float32 gives back (1e-06, not
     9.99999997e-07), which is what the writer meant."""
     field = reader.fields.get(key)
@@ -103,13 +103,13 @@ def _field(reader, key: str, default=None):
 
 def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
     """The model and sampler configuration a GGUF file's metadata describes."""
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
     if arch not in (ARCH, "diffusion-gemma4"):
         raise ValueError(f"{path} is a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
 
     def get(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
+        value = gguf_field(reader, f"{arch}.{key}", default)
         if value is None:
             raise ValueError(f"{path}: the metadata key {arch}.{key} is missing")
         return value
@@ -143,21 +143,21 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
         sliding_window=int(get("attention.sliding_window")),
         layer_types=layer_types,
         rope_parameters=_rope(reader, get, tensors),
-        final_logit_softcapping=_softcap(path, _field(reader, f"{arch}.final_logit_softcapping")),
-        num_experts=_field(reader, f"{arch}.expert_count") or None,
-        top_k_experts=_field(reader, f"{arch}.expert_used_count") or None,
-        moe_intermediate_size=_field(reader, f"{arch}.expert_feed_forward_length") or None,
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        final_logit_softcapping=_softcap(path, gguf_field(reader, f"{arch}.final_logit_softcapping")),
+        num_experts=gguf_field(reader, f"{arch}.expert_count") or None,
+        top_k_experts=gguf_field(reader, f"{arch}.expert_used_count") or None,
+        moe_intermediate_size=gguf_field(reader, f"{arch}.expert_feed_forward_length") or None,
+        pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
     )
-    canvas = _field(reader, "diffusion.canvas_length")
+    canvas = gguf_field(reader, "diffusion.canvas_length")
     if not canvas:
         raise ValueError(f"{path}: diffusion.canvas_length is missing; is this a DiffusionGemma GGUF?")
     config = DiffusionGemmaConfig(
         text_config=text, canvas_length=int(canvas), boi_token_id=None, eoi_token_id=None, image_token_id=None
     )
-    sampler = {ours: _field(reader, f"diffusion.{key}") for key, ours in _SAMPLER.items()}
+    sampler = {ours: gguf_field(reader, f"diffusion.{key}") for key, ours in _SAMPLER.items()}
     generation = GenerationConfig.from_dict({k: v for k, v in sampler.items() if v is not None}, str(path))
     return config, generation
 
@@ -194,20 +194,20 @@ def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
     (dgemma.checkpoints.tokenizer.Tokenizer.from_gguf builds the tokenizer)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    reader = _reader(path)
-    source = _field(reader, "tokenizer.huggingface.json")
+    reader = open_gguf(path)
+    source = gguf_field(reader, "tokenizer.huggingface.json")
     if source is None:
         return None
     tok = HFTokenizer.from_str(source)
     special = {}
     for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
-        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        token_id = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and tok.id_to_token(int(token_id)) is not None:
             special[name] = tok.id_to_token(int(token_id))
-    return source, special, _field(reader, "tokenizer.chat_template")
+    return source, special, gguf_field(reader, "tokenizer.chat_template")
 
 
-def _ours(name: str) -> str | None:
+def ggml_to_ours(name: str) -> str | None:
     """dgemma's parameter name of a GGUF tensor (None: not one, e.g. rope_freqs)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
@@ -221,7 +221,7 @@ def _shape(t) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(t.shape))  # GGML lists ne0 (the input dimension) first
 
 
-def _to_torch(t) -> torch.Tensor:
+def decoded_tensor(t) -> torch.Tensor:
     """A tensor's values: typed ones as stored (BF16 arrives as bytes), the rest decoded by gguf to fp32."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
@@ -252,7 +252,7 @@ class GGUFSource:
     scales (`specs`: by checkpoint module name), everything else decoded."""
 
     def __init__(self, path: Path, keep: set[str]):
-        reader = _reader(path)
+        reader = open_gguf(path)
         self.entries: dict[str, tuple] = {}  # checkpoint name -> (how to read, the GGUF tensor(s), suffix)
         self.specs: dict[str, QuantSpec] = {}
         self.unknown: list[str] = []
@@ -262,7 +262,7 @@ class GGUFSource:
             if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # split experts: fused below
                 split.setdefault(name.rsplit(".", 2)[0], {})[name.split(".")[-2]] = t
                 continue
-            ours = _ours(name)
+            ours = ggml_to_ours(name)
             if ours is None:
                 if name != "rope_freqs.weight":
                     self.unknown.append(name)
@@ -352,8 +352,8 @@ class GGUFSource:
         if entry[0] == "kept":
             return _kept(entry[1])[entry[2]]
         if entry[0] == "fuse":
-            return torch.cat([_to_torch(t).float() for t in entry[1]], dim=-2)
-        return _to_torch(entry[1])
+            return torch.cat([decoded_tensor(t).float() for t in entry[1]], dim=-2)
+        return decoded_tensor(entry[1])
 
     take = get
 

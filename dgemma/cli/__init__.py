@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     info.set_defaults(func=cmd_info)
 
-    from . import analyze, bench, demo, generate, quant, serve, tasks, train
+    from . import adapt, analyze, bench, demo, generate, quant, serve, tasks, train
 
     generate.register(sub)
     serve.register(sub)
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.register(sub)
     bench.register(sub)
     analyze.register(sub)
+    adapt.register(sub)
     return parser
 
 

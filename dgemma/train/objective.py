@@ -17,7 +17,10 @@ choice is named in a comment with the reference it follows):
    exactly-zero signal (an all-zero embedding, not zero logits).
 6. Loss = cross-entropy of pass 2 against the clean canvas at every position (corrupted or not, the fill
    included; no 1/t weight, no shift) + 1.0 x next-token cross-entropy of the encoder over every valid
-   (i, i+1) pair. Both are averaged per example, then over the batch (Google; NeMo/TRL use a token mean:
+   (i, i+1) pair. Adapting an autoregressive model (docs/adaptation.md) may add `teacher_kl_weight` x
+   KL(teacher || denoiser) at each canvas position: the frozen AR model's next-token distribution of the
+   canvas token given the clean text before it, which the denoiser learns from as well as from the token.
+   Both are averaged per example, then over the batch (Google; NeMo/TRL use a token mean:
    `normalization: token`). No MoE auxiliary loss; the trainer freezes the router.
 
 Implementation: the rows of a batch are aligned so that every selected canvas starts at the same index L
@@ -64,6 +67,9 @@ class ObjectiveConfig:
     # which next tokens the encoder loss scores: "all" (prompt and response, the released recipes) or
     # "response" (only response tokens that are not pinned: what an AR twin of a task model must predict)
     encoder_targets: str = "all"
+    # KL(frozen AR teacher's next-token distribution || the denoiser's) at each canvas position whose token
+    # is a next-token target, when a teacher is given (the trainer's: a frozen copy of the starting model)
+    teacher_kl_weight: float = 0.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -75,7 +81,7 @@ class ObjectiveConfig:
             errors.append(f"loss must be one of {LOSSES} (got {self.loss!r})")
         if self.normalization not in NORMALIZATIONS:
             errors.append(f"normalization must be one of {NORMALIZATIONS} (got {self.normalization!r})")
-        if self.diffusion_loss_weight < 0 or self.encoder_loss_weight < 0:
+        if self.diffusion_loss_weight < 0 or self.encoder_loss_weight < 0 or self.teacher_kl_weight < 0:
             errors.append("loss weights must be >= 0")
         if self.encoder_targets not in ("all", "response"):
             errors.append(f"encoder_targets must be 'all' or 'response' (got {self.encoder_targets!r})")
@@ -279,8 +285,42 @@ def diffusion_loss(model: DiffusionGemma, hidden: torch.Tensor, batch: Batch, cf
     return mean, per_example
 
 
-def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict]:
-    """The loss of one batch and its parts (floats, for logging)."""
+def _chunk_kl(model: DiffusionGemma, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(target || the logits of `hidden`), `target` log-probabilities [B, chunk, V]."""
+    logq = torch.log_softmax(model.lm_head(hidden), dim=-1)
+    return (target.exp() * (target - logq)).sum(-1)
+
+
+def teacher_kl(
+    model: DiffusionGemma, hidden: torch.Tensor, teacher: DiffusionGemma, batch: Batch, cfg: ObjectiveConfig
+):
+    """KL(teacher || denoiser) over the canvas, the denoiser's logits from `hidden` [B, C, M]: the frozen AR
+    teacher reads the clean text up to each canvas token (causal, no gradient) and predicts it from the
+    position before. Weighted where that token is a next-token target: (mean, per-example means)."""
+    start, c = batch.canvas_start, batch.clean.shape[1]
+    with torch.no_grad():
+        width = start + c - 1
+        cache = teacher.new_cache(batch.ids.shape[0], max(width, 1))
+        ids, valid = batch.ids[:, :width], batch.valid[:, :width]
+        before = teacher.encode(ids, cache, attention_mask=valid).hidden_states[:, max(start - 1, 0) :]
+        if start == 0:  # the canvas's first token has no text before it: no target there
+            before = torch.cat([before.new_zeros(before.shape[0], 1, before.shape[2]), before], dim=1)
+    weight = batch.ar_targets[:, start : start + c].float() * batch.supervised.float()
+    if start == 0:
+        weight[:, 0] = 0
+    parts = []
+    for chunk in _chunks(hidden, cfg):
+        with torch.no_grad():
+            target = torch.log_softmax(teacher.lm_head(before[:, chunk]), dim=-1)
+        parts.append(_chunked(partial(_chunk_kl, model), hidden[:, chunk], target))
+    return _mean(torch.cat(parts, dim=1), weight, cfg.normalization)
+
+
+def block_diffusion_loss(
+    model: DiffusionGemma, batch: Batch, cfg: ObjectiveConfig, teacher: DiffusionGemma | None = None
+) -> tuple[torch.Tensor, dict]:
+    """The loss of one batch and its parts (floats, for logging); `teacher`, a frozen AR model, adds the
+    KL of `cfg.teacher_kl_weight`."""
     device = model.device
     batch = Batch(*(x.to(device) if isinstance(x, torch.Tensor | Pixels) else x for x in vars(batch).values()))
     b, width = batch.ids.shape
@@ -303,8 +343,9 @@ def block_diffusion_loss(model: DiffusionGemma, batch: Batch, cfg: ObjectiveConf
     )
     diff, _ = diffusion_loss(model, hidden, batch, cfg)
     loss = cfg.diffusion_loss_weight * diff + cfg.encoder_loss_weight * ar
-    return loss, {
-        "loss": float(loss.detach()),
-        "diffusion_loss": float(diff.detach()),
-        "encoder_loss": float(ar.detach()),
-    }
+    parts = {"diffusion_loss": float(diff.detach()), "encoder_loss": float(ar.detach())}
+    if teacher is not None and cfg.teacher_kl_weight:
+        kl, _ = teacher_kl(model, hidden, teacher, batch, cfg)
+        loss = loss + cfg.teacher_kl_weight * kl
+        parts["teacher_kl"] = float(kl.detach())
+    return loss, {"loss": float(loss.detach()), **parts}

@@ -8,6 +8,7 @@ Details: docs/training.md, "The training loop".
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import json
@@ -359,6 +360,7 @@ class Batches:
     accumulation: int  # micro-batches per optimizer step, in each process
     use_bf16: bool
     device_type: str
+    teacher: DiffusionGemma | None = None  # the frozen starting model, for objective.teacher_kl_weight
 
     def autocast(self):
         if self.use_bf16:
@@ -396,7 +398,16 @@ def _batches(cfg: TrainConfig, model: DiffusionGemma, tokenizer: Tokenizer | Non
         accumulation=cfg.train.batch_size // (micro * world),
         use_bf16=cfg.train.bf16 if cfg.train.bf16 is not None else device.type == "cuda",
         device_type=device.type,
+        teacher=_frozen_copy(model) if cfg.objective.teacher_kl_weight else None,
     )
+
+
+def _frozen_copy(model: DiffusionGemma) -> DiffusionGemma:
+    """The model as training starts, frozen: the autoregressive teacher of an adaptation (its encoder is the
+    AR model it was adapted from)."""
+    teacher = copy.deepcopy(model).eval()
+    teacher.requires_grad_(False)
+    return teacher
 
 
 def _batch_loss(model, b: Batches, examples: list[Example], pairs: list[tuple[int, int]]):
@@ -405,7 +416,7 @@ def _batch_loss(model, b: Batches, examples: list[Example], pairs: list[tuple[in
     samples = [draw_sample(examples[e], d, cfg.train.seed, b.canvas, b.vocab, cfg.objective) for d, e in pairs]
     batch = assemble(samples, b.canvas, b.eos_id, b.pad_id, cfg.objective.encoder_targets)
     with b.autocast():
-        loss, parts = block_diffusion_loss(model, batch, cfg.objective)
+        loss, parts = block_diffusion_loss(model, batch, cfg.objective, b.teacher)
     return loss, parts, batch.tokens
 
 
@@ -428,16 +439,17 @@ def _diffusion_step(model, b: Batches, step: int) -> StepResult:
     micro-batches (the data and every sample's noise are functions of the step)."""
     rank, world, share = distributed.rank(), distributed.world_size(), b.micro * b.accumulation
     pairs = batch_indices(step, b.cfg.train.batch_size, len(b.train), b.cfg.train.seed)
-    totals = torch.zeros(4)  # loss, diffusion loss, encoder loss, tokens
+    names = ("loss", "diffusion_loss", "encoder_loss") + (("teacher_kl",) if b.teacher is not None else ())
+    totals = torch.zeros(len(names) + 1)  # the losses, then tokens
     for group in b.split(pairs[rank * share : (rank + 1) * share]):
         loss, parts, tokens = _batch_loss(model, b, b.train, group)
         (loss / b.accumulation).backward()
-        totals += torch.tensor([parts["loss"], parts["diffusion_loss"], parts["encoder_loss"], 0.0]) / b.accumulation
-        totals[3] += tokens
+        totals += torch.tensor([parts.get(n, 0.0) for n in names] + [0.0]) / b.accumulation
+        totals[-1] += tokens
     distributed.all_reduce(totals)
-    totals[:3] /= world  # the mean loss over processes; tokens stay a sum
-    metrics = {"loss": float(totals[0]), "diffusion_loss": float(totals[1]), "encoder_loss": float(totals[2])}
-    return StepResult(metrics["loss"], metrics, tokens=float(totals[3]))
+    totals[:-1] /= world  # the mean loss over processes; tokens stay a sum
+    metrics = {n: float(totals[i]) for i, n in enumerate(names)}
+    return StepResult(metrics["loss"], metrics, tokens=float(totals[-1]))
 
 
 def train(cfg: TrainConfig, *, progress: bool | None = None, stop_after: int | None = None) -> TrainResult:
