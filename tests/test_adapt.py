@@ -114,6 +114,19 @@ def test_sources_that_are_not_autoregressive_gemmas_are_refused(tmp_path):
         read_ar(tmp_path)
 
 
+def test_the_gpu_script_runs_end_to_end_on_a_cpu(tmp_path):
+    """benchmarks/gpu_adapt.py --dry-run on a tiny random Gemma 3: adapt, data, two training steps with the
+    teacher KL, the evaluation before and after, the result files."""
+    _checkpoint(tmp_path / "ar", "gemma3", GEMMA3[0])
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_adapt.py"
+    cmd = [sys.executable, str(script), str(tmp_path / "out"), "--dry-run", "--source", str(tmp_path / "ar")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "gpu_adapt.json").read_text())
+    assert result["steps"] == 2 and result["last_log"]["teacher_kl"] >= 0
+    assert 0 <= result["after"]["accuracy_all"] <= 1 and (tmp_path / "out" / "gpu_adapt.md").is_file()
+
+
 # -- the real Gemma 3 270M -----------------------------------------------------------------------------
 
 
