@@ -85,9 +85,10 @@ def main() -> None:
     parser.add_argument("--records", type=Path, default=DEFAULT_RECORDS)
     parser.add_argument("--n", type=int, default=32, help="held-out records")
     parser.add_argument("--t", type=float, default=0.5, help="noise level")
+    parser.add_argument("--generations", type=int, default=8, help="prompts for tokens per forward")
     args = parser.parse_args()
     records = read_records(args.records, args.n)
-    rows = [evaluate(c, records, args.t) for c in args.checkpoints]
+    rows = [evaluate(c, records, args.t, args.generations) for c in args.checkpoints]
     print(f"| checkpoint | accuracy at t={args.t} (corrupted / all) | tokens per forward |\n|---|---|---:|")
     for r in rows:
         print(f"| {r['checkpoint']} | {r['accuracy_corrupted']:.1%} / {r['accuracy_all']:.1%} | "
