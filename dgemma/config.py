@@ -129,13 +129,9 @@ def _default_rope_parameters() -> dict[str, dict[str, Any]]:
     }
 
 
-# The text fields of a model adapted from an autoregressive Gemma, at DiffusionGemma's values
-_ADAPTED_DEFAULTS = {
-    "query_pre_attn_scalar": None,
-    "use_value_norm": True,
-    "attention_k_eq_v": True,
-    "mlp_post_norm": True,
-}
+# The text fields of a model adapted from an autoregressive Gemma, at DiffusionGemma's values: left out of
+# config.json there (attention_k_eq_v, a transformers key, is always written)
+_ADAPTED_DEFAULTS = {"query_pre_attn_scalar": None, "use_value_norm": True, "mlp_post_norm": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,9 +349,8 @@ class TextConfig:
             "rope_parameters": dict[str, dict[str, Any]] | None,
             "per_layer_config": dict | None,
         }
-        hints.update(attention_k_eq_v=bool | None)
-        if d.get("attention_k_eq_v") is None:
-            d.pop("attention_k_eq_v", None)
+        if d.get("attention_k_eq_v", False) is None:  # null: transformers' default (True here)
+            del d["attention_k_eq_v"]
         check_types(d, hints, where)
         for name, rope in (d.get("rope_parameters") or {}).items():
             rope_hints = {"rope_type": str, "rope_theta": float, "partial_rotary_factor": float}
@@ -399,7 +394,7 @@ class TextConfig:
         vLLM reads as they are (vLLM knows no `per_layer_config`)."""
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for name, default in _ADAPTED_DEFAULTS.items():  # a released checkpoint's file stays as it was
-            if d[name] == default and name != "attention_k_eq_v":
+            if d[name] == default:
                 del d[name]
         d["model_type"] = "diffusion_gemma_text"
         d["hidden_activation"] = "gelu_pytorch_tanh"

@@ -376,6 +376,12 @@ def runner_for(model: DiffusionGemma | Runner, request: Request) -> Runner:
     return runner.reference if request.params.mode == "exact" else runner
 
 
+def context_room(context: int, canvas: int, prompt_len: int) -> int:
+    """The tokens a context of `context` positions leaves after a prompt, in whole canvases (what can be
+    generated; 0 when the prompt fills it)."""
+    return max(context - prompt_len, 0) // canvas * canvas
+
+
 def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
     """The cache a request writes: a new one with room for the prompt and `total` new tokens in whole
     canvases, or the conversation's (`cache`) if they fit in it; a ValueError beyond the context."""

@@ -31,7 +31,16 @@ from .editing import (
     plan_edit,
     plan_infill,
 )
-from .generate import MAX_LOGPROBS, DraftEvent, GenerationResult, SamplingParams, left_pad, prepare, prompt_rows
+from .generate import (
+    MAX_LOGPROBS,
+    DraftEvent,
+    GenerationResult,
+    SamplingParams,
+    context_room,
+    left_pad,
+    prepare,
+    prompt_rows,
+)
 from .model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
 from .structured.nodes import json_text
@@ -204,13 +213,6 @@ def check_limit(plan: JsonPlan, limit: int | None) -> None:
         raise ValueError(f"max_new_tokens is {limit}, but the shortest valid answer takes {plan.smallest} tokens")
 
 
-def context_room(runner: Runner, prompt_len: int) -> int:
-    """The tokens the model's context leaves after a prompt, in whole canvases (what can be generated)."""
-    m = runner.model
-    canvas = m.config.canvas_length
-    return max(m.text_config.max_position_embeddings - prompt_len, 0) // canvas * canvas
-
-
 def check_json_options(retries: int, size: str) -> None:
     if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= MAX_RETRIES:
         raise ValueError(f"retries must be an integer in [0, {MAX_RETRIES}]")
@@ -239,7 +241,8 @@ def json_program(
     check_json_options(retries, size)
     check_limit(plan, limit)
     if limit is None and plan.resize is not None:  # what the context leaves, as the server's default
-        limit = context_room(runner, len(prompt))
+        m = runner.model
+        limit = context_room(m.text_config.max_position_embeddings, m.config.canvas_length, len(prompt))
         if plan.smallest > limit:
             raise ValueError(f"the shortest valid answer takes {plan.smallest} tokens, but the context leaves {limit}")
     params = dataclasses.replace(params or SamplingParams(), **overrides)
@@ -288,10 +291,14 @@ def choose_branches(
     branches: dict = {}
     while plan.open:
         for path, before, options in plan.branch_requests():
-            scored = yield ScoreCall(prompt + before, options, pixels=pixels)
-            branches[path] = max(range(len(options)), key=lambda i: float(scored.logprobs[i].sum()))
+            branches[path] = _likeliest((yield ScoreCall(prompt + before, options, pixels=pixels)))
         plan = base.resize(text, limit, branches)
     return plan
+
+
+def _likeliest(scored) -> int:
+    """The index of the continuation a Score call's reply gives the highest summed log-probability."""
+    return max(range(len(scored.logprobs)), key=lambda i: float(scored.logprobs[i].sum()))
 
 
 def _alternatives(result: GenerationResult) -> list[dict[int, float]] | None:
@@ -321,8 +328,9 @@ def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives
         if not asked:
             return value, error
         for key, (position, options) in asked.items():
-            scored = yield ScoreCall(*plan.score_request(prompt, tokens, position, options), pixels=pixels)
-            answers[key] = max(range(len(options)), key=lambda i: float(scored.logprobs[i].sum()))
+            answers[key] = _likeliest(
+                (yield ScoreCall(*plan.score_request(prompt, tokens, position, options), pixels=pixels))
+            )
 
 
 def read_answer(model: DiffusionGemma | Runner, plan: JsonPlan, prompt: list[int], tokens: list[int]):

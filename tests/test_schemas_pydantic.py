@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 import dgemma
 from dgemma.calls import Scores
-from dgemma.programs import choose_branches, context_room, generate_json
-from dgemma.runtime.runner import as_runner
+from dgemma.generate import context_room
+from dgemma.programs import choose_branches, generate_json
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
 from dgemma.structured.nodes import MISSING, completed
 from dgemma.structured.schema import build
@@ -214,7 +214,8 @@ def test_without_max_new_tokens_the_bound_is_what_the_context_leaves(code):
     model, tok = code
     schema = Node.model_json_schema()
     prompt = tok.encode("# a tree of names\n" * 60 + "tree = ")
-    assert len(_plan(code, schema).template) > context_room(as_runner(model), len(prompt))
+    room = context_room(model.text_config.max_position_embeddings, model.config.canvas_length, len(prompt))
+    assert len(_plan(code, schema).template) > room
     for size in ("schema", "draft"):
         out = generate_json(model, prompt, schema, tokenizer=tok, seed=0, size=size, **KW)
         assert Node.model_validate(out.value) and out.steps > 0

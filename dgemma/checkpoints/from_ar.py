@@ -29,7 +29,7 @@ import torch
 
 from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
 from ..model import DiffusionGemma, build
-from .gguf_file import decoded_tensor, ggml_to_ours, gguf_field, gguf_path, open_gguf
+from .gguf_file import decoded_tensor, ggml_to_ours, gguf_field, gguf_path, open_gguf, required_fields
 from .tokenizer import Tokenizer
 from .weights import save
 
@@ -173,12 +173,7 @@ def _read_gguf(path: Path) -> ARCheckpoint:
     if arch != "gemma3":
         raise ValueError(f"{path} is a GGUF of architecture {arch!r}; adapting reads Gemma 3 ('gemma3') GGUFs")
 
-    def get(key: str, default=None):
-        value = gguf_field(reader, f"gemma3.{key}", default)
-        if value is None:
-            raise ValueError(f"{path}: the metadata key gemma3.{key} is missing")
-        return value
-
+    get = required_fields(reader, path, "gemma3")
     if gguf_field(reader, "gemma3.rope.scaling.type") not in (None, "none"):
         raise ValueError(f"{path}: RoPE scaling is not supported (only default RoPE)")
     tensors = {t.name: t for t in reader.tensors}
@@ -224,8 +219,7 @@ def adapted_model(ar: ARCheckpoint, canvas_length: int = 32, seed: int = 0) -> D
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"tensors with no place in the model: {sorted(unexpected)[:8]}")
-    allowed = ("self_conditioning.", "layer_scalar", "encoder_layer_scalar")
-    missing = [n for n in missing if not n.startswith(allowed) and not n.endswith(allowed)]
+    missing = [n for n in missing if not n.startswith("self_conditioning.") and not n.endswith("layer_scalar")]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:8]}")
     with torch.no_grad():

@@ -101,12 +101,9 @@ def gguf_field(reader, key: str, default=None):
     return float(str(np.float32(value))) if field.types[0].name == "FLOAT32" else value
 
 
-def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
-    """The model and sampler configuration a GGUF file's metadata describes."""
-    reader = open_gguf(path)
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in (ARCH, "diffusion-gemma4"):
-        raise ValueError(f"{path} is a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
+def required_fields(reader, path: Path, arch: str):
+    """`get(key, default=None)`: the metadata value `arch.key` (or `default`), a ValueError naming the key
+    when it has neither."""
 
     def get(key: str, default=None):
         value = gguf_field(reader, f"{arch}.{key}", default)
@@ -114,6 +111,17 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
             raise ValueError(f"{path}: the metadata key {arch}.{key} is missing")
         return value
 
+    return get
+
+
+def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
+    """The model and sampler configuration a GGUF file's metadata describes."""
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in (ARCH, "diffusion-gemma4"):
+        raise ValueError(f"{path} is a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
+
+    get = required_fields(reader, path, arch)
     layers = int(get("block_count"))
     sliding = get("attention.sliding_window_pattern", [(i + 1) % 6 != 0 for i in range(layers)])
     layer_types = [SLIDING if s else FULL for s in sliding]

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ..engine import Engine
+from ..generate import context_room
 from ..model import DiffusionGemma
 from ..settings import SETTINGS, SamplingParams
 from .protocol import ApiError
@@ -64,7 +65,7 @@ def check_chars(served: Served, chars: int, param: str) -> None:
 
 def room(served: Served, prompt_len: int) -> int:
     """The tokens the context leaves after a prompt, in whole canvases (what the engine generates)."""
-    return (served.context - prompt_len) // served.canvas * served.canvas
+    return context_room(served.context, served.canvas, prompt_len)
 
 
 def budget(served: Served, requested: int | None, prompt_len: int, param: str, prompt_param: str) -> int:

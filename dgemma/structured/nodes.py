@@ -238,10 +238,9 @@ class _Number:
         return value if self.multiple is None else self._nearest_multiple(value)
 
     def accepts_strictly(self, value: int | float) -> bool:
-        """Within the bounds, the exclusive ones excluded."""
-        (low, high), (above, below) = self.bounds, self.exclusive
-        inclusive = (low is None or value >= low) and (high is None or value <= high)
-        return inclusive and (above is None or value > above) and (below is None or value < below)
+        """`accepts`, the exclusive bounds excluded too."""
+        above, below = self.exclusive
+        return self.accepts(value) and (above is None or value > above) and (below is None or value < below)
 
     def scan(self, text: str, i: int):
         j = i + (text[i : i + 1] == "-")
