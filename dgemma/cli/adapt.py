@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..checkpoints.weights import resolve_dtype
 
@@ -12,11 +11,9 @@ from ..checkpoints.weights import resolve_dtype
 def cmd_adapt(args: argparse.Namespace) -> int:
     """Read SOURCE (a Gemma 3 GGUF or HF checkpoint, a Gemma 4 text checkpoint) and write OUT."""
     from ..checkpoints.from_ar import adapt
-    from .common import options_or_positionals
+    from .common import source_and_out
 
-    source, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.source, args.out_dir])
-    if source is None or out is None:
-        raise ValueError("give the source and the output directory: --model SOURCE --out OUT (or SOURCE OUT)")
+    source, out = source_and_out(args, "SOURCE")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
     if args.canvas_length <= 0:
@@ -27,7 +24,7 @@ def cmd_adapt(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .common import add_model_option
+    from .common import add_source_and_out
 
     s = sub.add_parser(
         "adapt",
@@ -38,10 +35,8 @@ def register(sub) -> None:
         "package's, assembled), a Gemma 3 Hugging Face checkpoint directory, or a Gemma 4 text one. The "
         "weights carry the Gemma Terms of Use: OUT gets a NOTICE saying so.",
     )
-    add_model_option(s, help="the autoregressive Gemma: a .gguf file or a checkpoint directory")
-    s.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help="the checkpoint directory to write")
-    s.add_argument("source", nargs="?", type=Path, metavar="SOURCE", help="the same as --model SOURCE")
-    s.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
+    add_source_and_out(s, "SOURCE", "the autoregressive Gemma: a .gguf file or a checkpoint directory",
+                       "the checkpoint directory to write")  # fmt: skip
     s.add_argument("--canvas-length", type=int, default=32, help="tokens per canvas (default 32: a small canvas first)")
     s.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp16"), help="weights' dtype (default bf16)")
     s.add_argument("--seed", type=int, default=0, help="seed of the new self-conditioning block")

@@ -75,6 +75,25 @@ def add_model_option(p, help: str = MODEL_HELP) -> None:
     p.add_argument("--model", "-m", dest="model_option", type=Path, default=None, metavar="DIR", help=help)
 
 
+def add_source_and_out(p, metavar: str, source_help: str, out_help: str, dest: str = "source") -> None:
+    """A command that reads a source and writes OUT: `--model SOURCE --out OUT`, or `SOURCE OUT`, or any
+    mix (`source_and_out` reads them back)."""
+    add_model_option(p, help=source_help)
+    p.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help=out_help)
+    p.add_argument(dest, nargs="?", type=Path, metavar=metavar, help=f"the same as --model {metavar}")
+    p.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
+
+
+def source_and_out(args, metavar: str, dest: str = "source") -> tuple[Path, Path]:
+    """(source, OUT) of a command made with `add_source_and_out`; a ValueError when either is missing."""
+    source, out = options_or_positionals(
+        {"--model": args.model_option, "--out": args.out}, [getattr(args, dest), args.out_dir]
+    )
+    if source is None or out is None:
+        raise ValueError(f"give the source and the output directory: --model {metavar} --out OUT (or {metavar} OUT)")
+    return source, out
+
+
 def options_or_positionals(options: dict, positionals: list) -> list:
     """Each value of `options` (flag -> value) where given, else the next positional argument: a command
     that takes `DIR OUT` also takes `--model DIR --out OUT`, or any mix. A ValueError for a leftover."""

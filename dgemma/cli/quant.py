@@ -19,11 +19,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     processor files); with --calibrate, an NVFP4 W4A4 export with calibrated activation scales."""
     from ..checkpoints.vllm_export import check_spec, vllm_path
     from ..checkpoints.weights import load
-    from .common import options_or_positionals, quant_spec, write_checkpoint
+    from .common import quant_spec, source_and_out, write_checkpoint
 
-    src, out = options_or_positionals({"--model": args.model_option, "--out": args.out}, [args.directory, args.out_dir])
-    if src is None or out is None:
-        raise ValueError("give the source and the output directory: --model DIR --out OUT (or DIR OUT)")
+    src, out = source_and_out(args, "DIR", dest="directory")
     if not src.is_dir():
         raise FileNotFoundError(f"model directory {src} does not exist")
     if out.resolve() == src.resolve():
@@ -104,7 +102,7 @@ def _calibrate(model, src: Path, text: str, samples: int) -> dict:
 
 
 def register(sub) -> None:
-    from .common import add_format_arg, add_model_option, add_quant_args, positive_int
+    from .common import add_format_arg, add_quant_args, add_source_and_out, positive_int
 
     s = sub.add_parser(
         "quantize",
@@ -128,10 +126,7 @@ def register(sub) -> None:
         "The tokenizer, chat template and image processor files are copied beside the weights;\n"
         "docs/quantization.md has the `vllm serve` command of each.",
     )
-    add_model_option(s, help="source checkpoint directory")
-    s.add_argument("--out", "-o", type=Path, default=None, metavar="OUT", help="output directory")
-    s.add_argument("directory", nargs="?", type=Path, metavar="DIR", help="the same as --model DIR")
-    s.add_argument("out_dir", nargs="?", type=Path, metavar="OUT", help="the same as --out OUT")
+    add_source_and_out(s, "DIR", "source checkpoint directory", "output directory", dest="directory")
     add_quant_args(s)
     add_format_arg(s)
     s.add_argument(
