@@ -321,6 +321,7 @@ class DiffusionGemma(nn.Module):
         t = config.text_config
         self.text_config = t
         self.generation_config = GenerationConfig()
+        self.notice: str | None = None  # the checkpoint's NOTICE (license terms), written again by every save
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size, padding_idx=t.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(t, i) for i in range(t.num_hidden_layers))
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)

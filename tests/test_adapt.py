@@ -97,6 +97,8 @@ def test_the_adapted_checkpoint_loads_and_generates(tmp_path):
     torch.testing.assert_close(_logits(model, ids), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     out_text = dgemma.generate(model, "def f(x):", tokenizer=tok, max_denoising_steps=3, seed=0).text[0]
     assert isinstance(out_text, str) and model.config.canvas_length == 32
+    assert "Gemma Terms of Use" in dgemma.save(model, tmp_path / "copy").joinpath("NOTICE").read_text()
+    assert not (dgemma.save(dgemma.build(dgemma.preset("tiny")), tmp_path / "own") / "NOTICE").exists()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
 
@@ -125,6 +127,7 @@ def test_the_gpu_script_runs_end_to_end_on_a_cpu(tmp_path):
     result = json.loads((tmp_path / "out" / "gpu_adapt.json").read_text())
     assert result["steps"] == 2 and result["last_log"]["teacher_kl"] >= 0
     assert 0 <= result["after"]["accuracy_all"] <= 1 and (tmp_path / "out" / "gpu_adapt.md").is_file()
+    assert "Gemma Terms of Use" in (tmp_path / "out" / "run" / "final" / "NOTICE").read_text()  # trained from it
 
 
 # -- the real Gemma 3 270M -----------------------------------------------------------------------------

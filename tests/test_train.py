@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -371,9 +372,13 @@ def test_nan_stops_with_a_clear_message(tmp_path, monkeypatch):
 
 
 def test_lora_on_transformers_checkpoint(moe_ckpt, tmp_path):
+    """LoRA training resumes exactly, merged equals unmerged, and the adapter carries the base's NOTICE."""
+    base_dir = tmp_path / "base"
+    shutil.copytree(moe_ckpt[0], base_dir)
+    (base_dir / "NOTICE").write_text("terms of the base weights\n")
     cfg = _config(
         tmp_path,
-        model={"preset": None, "path": str(moe_ckpt[0])},
+        model={"preset": None, "path": str(base_dir)},
         lora={"r": 4, "alpha": 8},
         train={"steps": 4, "save_every": 2},
         optim={"lr": 1e-2},
@@ -381,6 +386,7 @@ def test_lora_on_transformers_checkpoint(moe_ckpt, tmp_path):
     cfg.model.preset = None
     full = train(cfg, progress=False)
     assert (full.final_dir / "adapter_model.safetensors").is_file()
+    assert (full.final_dir / "NOTICE").read_text() == "terms of the base weights\n"
     cfg.train.out_dir = str(tmp_path / "again")
     assert train(cfg, progress=False, stop_after=2).losses + train(cfg, progress=False).losses == full.losses
     # merged and unmerged give the same outputs

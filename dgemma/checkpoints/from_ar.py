@@ -239,7 +239,7 @@ def adapt(
     `canvas_length`, and a NOTICE of the Gemma Terms of Use."""
     ar = read_ar(source)
     model = adapted_model(ar, canvas_length, seed).to(dtype)
+    model.notice = NOTICE  # saved with it, and again with every model trained or quantized from it
     target = save(model, out, generation_config=GenerationConfig(max_new_tokens=canvas_length))
     ar.tokenizer.save(target)
-    (target / "NOTICE").write_text(NOTICE)
     return target

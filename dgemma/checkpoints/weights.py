@@ -241,8 +241,16 @@ def load(
     elif specs:
         model.quantization = stored if stored else describe_specs(specs)
     model.generation_config = generation
+    model.notice = read_notice(directory)
     model.eval()
     return model
+
+
+def read_notice(directory: Path) -> str | None:
+    """The NOTICE file of a checkpoint directory (the license terms its weights carry, such as the Gemma
+    Terms of Use of a model derived from Gemma), or None; `save` writes it again beside every copy."""
+    path = directory / "NOTICE"
+    return path.read_text(errors="replace") if directory.is_dir() and path.is_file() else None
 
 
 def _stored_dtype(source, primary: dict) -> torch.dtype:
@@ -525,7 +533,8 @@ def save(
     compressed-tensors library read it: dgemma/checkpoints/vllm_export.py; with `input_ranges`, the calibrated input
     ranges of dgemma.quant.calibrate.input_amax, an NVFP4 model is written W4A4). Every file is written to a
     temporary name and renamed into place, so a crash leaves either the old file or the new one, never a
-    torn one. The weight files go first and config.json last.
+    torn one. The weight files go first and config.json last. The model's `notice` (the NOTICE it was loaded
+    with: the license its weights carry) is written beside them.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -542,6 +551,8 @@ def save(
     gen = generation_config or getattr(model, "generation_config", None)
     if gen is not None:
         atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
+    if getattr(model, "notice", None):  # weights derived from licensed ones carry the license onward
+        atomic_write_bytes(out / "NOTICE", model.notice.encode())
     config = model.config.to_dict()
     config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
     if quantization_config:

@@ -74,14 +74,18 @@ def save(out_dir: Path, step: int, model, optimizer, scheduler, cfg: TrainConfig
 
 
 def _save_weights(directory: Path, model, state: dict, cfg: TrainConfig, tokenizer: Tokenizer | None) -> None:
-    """A loadable model directory: the full checkpoint (with the tokenizer), or the adapter (peft format)."""
+    """A loadable model directory: the full checkpoint (with the tokenizer), or the adapter (peft format);
+    either with the starting model's NOTICE (the license that weights trained from it carry)."""
     if cfg.lora is not None:
         lora.save_adapter(model, directory, state)
+        if notice := lora.base_model(model).notice:
+            (directory / "NOTICE").write_text(notice)
         return
     with torch.device("meta"):  # `model` may be sharded: save a shell filled with the gathered state
         shell = DiffusionGemma(model.config)
     shell.load_state_dict(state, assign=True)
     shell.generation_config = model.generation_config
+    shell.notice = model.notice
     save_model(shell, directory)
     if tokenizer is not None:
         tokenizer.save(directory)
