@@ -12,6 +12,8 @@
 (b) Continuation. From the start of a top-level statement, one canvas of new tokens; a snippet "parses"
     when the prefix plus the snippet cut at its last complete line parses (an open block at the end is
     closed with `pass`).
+    The AR twin also scores every continuation (its perplexity of the snippet after the prefix): how
+    likely the base finds what each model wrote, its own greedy text being the floor.
 (c) Speed on this CPU: tokens/s and tokens per forward, diffusion vs the AR twin.
 
 Prints a table, writes a PNG plot, ends with one JSON line.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import random
 import sys
 import time
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 import dgemma
+from dgemma import calls
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +150,33 @@ def continuation_cases(files: list[dict], rng: random.Random, n: int) -> list[tu
     return cases[:n]
 
 
+def continuations(model, ar_model, tok, cases: list[tuple[str, str]], context: int) -> tuple[dict, dict, dict]:
+    """One canvas of new tokens from each prefix, by the diffusion model and (when given) greedily by the AR
+    twin. Per model: whether each snippet parses, [tokens, seconds, forwards], and the AR twin's negative
+    log-likelihood of the snippets after their prefixes as [nats, tokens] (how likely the base finds them)."""
+    canvas = model.config.canvas_length
+    parses: dict[str, list[bool]] = {"diffusion": [], "ar": []}
+    speed = {"diffusion": [0, 0.0, 0], "ar": [0, 0.0, 0]}
+    nll = {"diffusion": [0.0, 0], "ar": [0.0, 0]}
+    for _, prefix in cases:
+        left = _tail(tok.encode(prefix, add_special_tokens=False), context)
+        runs = [("diffusion", lambda ids=left: dgemma.generate(model, ids, max_new_tokens=canvas, seed=0))]
+        if ar_model is not None:
+            runs.append(("ar", lambda ids=left: dgemma.generate_ar(ar_model, ids, canvas)))
+        for name, run in runs:
+            t = time.perf_counter()
+            r = run()
+            new = list(r.tokens[0])
+            speed[name][0] += len(new)
+            speed[name][1] += time.perf_counter() - t
+            speed[name][2] += r.stats.decoder_forward_passes[0] if name == "diffusion" else len(new)
+            parses[name].append(snippet_parses(prefix, tok.decode(new)))
+            if ar_model is not None and new:
+                nll[name][0] -= float(calls.score(ar_model, left, [new]).logprobs[0].sum())
+                nll[name][1] += len(new)
+    return parses, speed, nll
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "dgemma" / "models" / "code")
@@ -187,21 +218,7 @@ def main() -> None:
                 infill[kind].setdefault(name, []).append(score)
     infill_seconds = time.perf_counter() - t0
 
-    canvas = model.config.canvas_length
-    cont = {"diffusion": [], "ar": []}
-    speed = {"diffusion": [0, 0.0, 0], "ar": [0, 0.0, 0]}  # tokens, seconds, forwards
-    for _, prefix in continuation_cases(files, rng, args.snippets):
-        left = _tail(tok.encode(prefix, add_special_tokens=False), args.context)
-        runs = [("diffusion", lambda ids=left: dgemma.generate(model, ids, max_new_tokens=canvas, seed=0))]
-        if ar_model is not None:
-            runs.append(("ar", lambda ids=left: dgemma.generate_ar(ar_model, ids, canvas)))
-        for name, run in runs:
-            t = time.perf_counter()
-            r = run()
-            speed[name][0] += len(r.tokens[0])
-            speed[name][1] += time.perf_counter() - t
-            speed[name][2] += r.stats.decoder_forward_passes[0] if name == "diffusion" else len(r.tokens[0])
-            cont[name].append(snippet_parses(prefix, tok.decode(r.tokens[0])))
+    cont, speed, nll = continuations(model, ar_model, tok, continuation_cases(files, rng, args.snippets), args.context)
 
     def rate(rows: list[dict], key: str) -> float:
         return sum(r[key] for r in rows) / max(len(rows), 1)
@@ -233,14 +250,19 @@ def main() -> None:
     for name, (tokens, seconds, forwards) in speed.items():
         if tokens:
             summary["speed"][name] = {"tokens_per_s": tokens / seconds, "tokens_per_forward": tokens / forwards}
-    print("| model | continuation parses | tokens/s | tokens per forward |")
-    print("|---|---:|---:|---:|")
+        if nll[name][1]:
+            summary["continuation"][name]["ar_perplexity"] = math.exp(nll[name][0] / nll[name][1])
+    print("| model | continuation parses | AR twin's perplexity of it | tokens/s | tokens per forward |")
+    print("|---|---:|---:|---:|---:|")
     for name in ("diffusion", "ar"):
         if name in summary["speed"]:
             c, s = summary["continuation"][name], summary["speed"][name]
+            ppl = f"{c['ar_perplexity']:.2f}" if "ar_perplexity" in c else "-"
             print(
-                f"| {name} | {c['parses']:.1%} ({c['n']}) | {s['tokens_per_s']:.0f} | {s['tokens_per_forward']:.2f} |"
+                f"| {name} | {c['parses']:.1%} ({c['n']}) | {ppl} | {s['tokens_per_s']:.0f} | "
+                f"{s['tokens_per_forward']:.2f} |"
             )
+    print("(perplexity: the AR twin scoring each continuation after its prefix; its own greedy text is its floor)")
     _plot(summary, args.plot)
     print(f"plot: {args.plot}")
     print(json.dumps(summary))

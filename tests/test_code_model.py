@@ -115,3 +115,21 @@ def test_code_eval_baseline_only_runs_without_a_model(tmp_path):
     tok = dgemma.Tokenizer.from_dir(MODEL_DIR)
     chosen = code_eval.held_out_cases([{"text": SNIPPET}], random.Random(0), tok, 24, 100)
     assert result == code_eval.empty_fill_baseline(chosen) and result["all"]["n"] > 0
+
+
+def test_code_eval_continuations_are_scored_by_the_ar_twin():
+    """code_eval's continuation pass: each snippet's tokens are scored by the AR twin (its perplexity of what
+    each model wrote); the twin's own greedy tokens are its argmax at every position of that scoring."""
+    from dgemma import calls
+
+    code_eval = _code_eval()
+    model, tok = dgemma.load(MODEL_DIR), dgemma.Tokenizer.from_dir(MODEL_DIR)
+    prefix = SNIPPET[: SNIPPET.index("class Stack")]
+    parses, speed, nll = code_eval.continuations(model, model, tok, [(SNIPPET, prefix)], context=64)
+    for name in ("diffusion", "ar"):
+        assert len(parses[name]) == 1 and nll[name][1] == speed[name][0] > 0 and nll[name][0] > 0
+    left = tok.encode(prefix, add_special_tokens=False)[-64:]
+    greedy = dgemma.generate_ar(model, left, model.config.canvas_length).tokens[0]
+    scored = calls.score(model, left, [list(greedy)], top=1)
+    assert [row[0][0] for row in scored.top[0]] == list(greedy)
+    assert math.isclose(-float(scored.logprobs[0].sum()), nll["ar"][0], rel_tol=1e-5)  # the same tokens, scored
