@@ -253,6 +253,12 @@ def read_notice(directory: Path) -> str | None:
     return path.read_text(errors="replace") if directory.is_dir() and path.is_file() else None
 
 
+def write_notice(directory: Path, notice: str | None) -> None:
+    """Write `notice` (read_notice's) as the NOTICE of checkpoint directory `directory`; nothing when None."""
+    if notice:
+        atomic_write_bytes(directory / "NOTICE", notice.encode())
+
+
 def _stored_dtype(source, primary: dict) -> torch.dtype:
     """dtype "auto": the embedding's stored dtype (float32 for one a model does not run in)."""
     stored = source.get(primary["embed_tokens.weight"]).dtype
@@ -551,8 +557,7 @@ def save(
     gen = generation_config or getattr(model, "generation_config", None)
     if gen is not None:
         atomic_write_bytes(out / "generation_config.json", json.dumps(gen.to_dict(), indent=2).encode())
-    if getattr(model, "notice", None):  # weights derived from licensed ones carry the license onward
-        atomic_write_bytes(out / "NOTICE", model.notice.encode())
+    write_notice(out, getattr(model, "notice", None))  # weights derived from licensed ones carry the license on
     config = model.config.to_dict()
     config["dtype"] = _DTYPE_NAMES.get(model.dtype, "float32")
     if quantization_config:

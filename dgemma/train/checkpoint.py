@@ -23,7 +23,7 @@ import torch
 
 from ..checkpoints.tokenizer import Tokenizer
 from ..checkpoints.weights import load as load_model
-from ..checkpoints.weights import resolve_dtype
+from ..checkpoints.weights import resolve_dtype, write_notice
 from ..checkpoints.weights import save as save_model
 from ..model import DiffusionGemma
 from . import distributed, lora
@@ -78,8 +78,7 @@ def _save_weights(directory: Path, model, state: dict, cfg: TrainConfig, tokeniz
     either with the starting model's NOTICE (the license that weights trained from it carry)."""
     if cfg.lora is not None:
         lora.save_adapter(model, directory, state)
-        if notice := lora.base_model(model).notice:
-            (directory / "NOTICE").write_text(notice)
+        write_notice(directory, lora.base_model(model).notice)
         return
     with torch.device("meta"):  # `model` may be sharded: save a shell filled with the gathered state
         shell = DiffusionGemma(model.config)
