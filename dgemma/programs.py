@@ -444,8 +444,13 @@ def tool_plans(model: DiffusionGemma | Runner, tokenizer, tools: list[dict]) -> 
         if not isinstance(name, str) or len(name) > 128 or not re.fullmatch(FUNCTION_NAME, name):
             raise ValueError(f"tools.{i}: a function name must be letters, digits, _ . - (at most 128)")
         parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise ValueError(f"tools.{i}.function.parameters: must be a JSON schema object")
+        kind = (
+            parameters.get("type", "object" if "properties" in parameters or not parameters else None)
+            if isinstance(parameters, dict)
+            else None
+        )
+        if parameters is not None and kind != "object":
+            raise ValueError(f"tools.{i}.function.parameters: must be a JSON schema of type object (got {kind!r})")
         try:
             plans.append((name, tool_call_plan(model, tokenizer, name, parameters)))
         except StructuredOutputError as e:
@@ -481,9 +486,6 @@ def tool_call_program(
         chosen = yield from result_of(choose_program(runner, prompt, names, starts, whole=False, pixels=pixels))
         index, scores = chosen.index, chosen.scores
     name, plan = plans[index]
-    if plan.fixed:  # a function without arguments: nothing to generate
-        yield DoneEvent(ToolCall(name, {}, call_text(name, {}), scores))
-        return
     write = functools.partial(call_text, name)
     program = json_program(runner, plan, prompt, params, retries=retries, size=size, write=write, **overrides)
     answer = yield from result_of(program, passes=(DraftEvent,))

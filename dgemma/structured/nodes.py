@@ -14,9 +14,10 @@ import torch
 from .tokens import (
     JSON,
     MAX_TEMPLATE_TOKENS,
-    StructuredOutputError,
     Syntax,
+    TemplateTooLong,
     TokenClasses,
+    check_deadline,
     json_text,
 )
 
@@ -48,11 +49,12 @@ class _Layout:
         """Holes at the next positions, one per mask of allowed tokens; `end` marks the tokens that close
         the value (what follows them in the hole is dropped)."""
         self.flush()
+        check_deadline()
         start = len(self.template)
         self.template += [None] * len(masks)
         self.allowed += masks
         if len(self.template) > MAX_TEMPLATE_TOKENS:
-            raise StructuredOutputError(f"the schema needs more than {MAX_TEMPLATE_TOKENS} tokens of template")
+            raise TemplateTooLong(f"the schema needs more than {MAX_TEMPLATE_TOKENS} tokens of template")
         span = slice(start, start + len(masks))
         self.holes.append((span, end))
         return span
@@ -251,8 +253,10 @@ class _Number:
             yield MORE
         full = r"-?(0|[1-9]\d*)" if self.integer else r"-?(0|[1-9]\d*)(\.\d+)?"
         low, high = self.bounds
-        if re.fullmatch(full, run) and (low is None or float(run) >= low) and (high is None or float(run) <= high):
-            yield j
+        if re.fullmatch(full, run):
+            value = int(run) if self.integer else float(run)  # an integer past 2**53 is not a float
+            if (low is None or value >= low) and (high is None or value <= high):
+                yield j
 
     def _may_become(self, run: str) -> bool:
         """Whether more characters can make `run` a number within the bounds."""
@@ -282,8 +286,17 @@ class _Number:
                 raise _Invalid(f"{text!r} is not a number")
             negative = self.sign is not None and r.classes.texts[r.tokens[self.sign.start]] == "-"
         number = ("-" if negative else "") + m.group(0)
-        value = int(number) if self.integer or m.group(1) is None else float(number)
+        value = self._within(int(number) if self.integer or m.group(1) is None else float(number))
         return value if self.multiple is None else self._nearest_multiple(value)
+
+    def _within(self, value: int | float) -> int | float:
+        """`value` moved to the nearest bound when it lies outside them (the digits' positions are filled
+        in parallel, so a digit count can hold by construction but not a range: 8199 for at most 2100),
+        or to the shortest value inside when an exclusive bound is all it breaks."""
+        low, high = self.bounds
+        value = low if low is not None and value < low else value
+        value = high if high is not None and value > high else value
+        return value if self.accepts_strictly(value) else self.shortest()
 
     multiple: int | float | None = None  # multipleOf (set by schema._number): read as the nearest
     exclusive: tuple[float | None, float | None] = (None, None)  # a number's exclusive bounds
@@ -382,6 +395,11 @@ class _Union:
         self.branches = branches
         self.chosen = next((i for i, b in enumerate(branches) if not _is_null(b)), 0)
         self.decided = False
+        number = next((i for i, b in enumerate(branches) if isinstance(b, _Number)), None)
+        if number is not None and any(isinstance(b, _String) and not b.min_length for b in branches):
+            # a number or any string (Pydantic's Decimal): a number is what the client's type reads, where
+            # the shortest string, "", is not
+            self.chosen, self.decided = number, True
 
     def size(self, value: Any, c: TokenClasses, syntax: Syntax) -> None:
         fit = next((i for i, b in enumerate(self.branches) if b.accepts(value)), None)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +18,18 @@ from ..editing import end_of_text_ids
 from ..generate import GenerationResult
 from ..json_values import MAX_VALUE_DEPTH, first_problem
 from ..runtime.runner import Runner, as_runner
-from ..tool_calls import CALL_CLOSE, CALL_OPEN, parse_tool_calls
+from ..tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, parse_tool_calls
 from .nodes import MISSING, _Invalid, _Layout, _Read, completed, json_text
-from .schema import MAX_VALUES, build, expanded
-from .tokens import GEMMA_ARGUMENTS, JSON, StructuredOutputError, Syntax, TokenClasses
+from .schema import MAX_VALUES, build, expanded, ref_depth
+from .tokens import (
+    GEMMA_ARGUMENTS,
+    JSON,
+    StructuredOutputError,
+    Syntax,
+    TemplateTooLong,
+    TokenClasses,
+    compile_deadline,
+)
 from .unions import Path, apply, parting, written
 
 
@@ -125,8 +135,10 @@ def compile_schema(
     last canvas. `draft`, a value the model wrote freely, sizes each value it holds with the right type
     (`draft_plan`); the others keep their schema budgets."""
     validator = _checked(schema)
+    args = (tokenizer, vocab_size, canvas_length, end_id, syntax, wrap)
+    depth = _deepest(schema, validator, args)[1]
     drafted = MISSING if draft is None else draft  # no draft (compile_schema's callers never draft a null)
-    return _laid_out(schema, validator, tokenizer, vocab_size, canvas_length, end_id, syntax, wrap, drafted)
+    return _laid_out(schema, validator, depth, *args, drafted)
 
 
 def _checked(schema: dict):
@@ -143,14 +155,28 @@ def _checked(schema: dict):
         validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise StructuredOutputError(f"not a valid JSON schema: {e.message}") from e
-    if expanded(schema) > MAX_VALUES:
+    if expanded(schema, 1) > MAX_VALUES:
         raise StructuredOutputError(f"the schema expands to more than {MAX_VALUES} values (arrays: maxItems each)")
     return validator
+
+
+def _deepest(schema: dict, validator, args: tuple) -> tuple[JsonPlan, int]:
+    """The schema's layout with its recursive references expanded as deep as the values (`ref_depth`) and
+    the template's tokens allow, and that depth."""
+    depth = ref_depth(schema)
+    while True:
+        try:
+            return _laid_out(schema, validator, depth, *args), depth
+        except TemplateTooLong:
+            if depth == 1:
+                raise
+            depth -= 1
 
 
 def _laid_out(
     schema: dict,
     validator,
+    depth: int,
     tokenizer,
     vocab_size: int,
     canvas_length: int,
@@ -160,9 +186,10 @@ def _laid_out(
     draft: Any = MISSING,
     branches: dict[Path, int] | None = None,
 ) -> JsonPlan:
-    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), sized by `draft`
-    (MISSING: none; None is a drafted null), its open unions set to `branches`, and laid out."""
-    root = build(schema)
+    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), its recursive
+    references expanded `depth` times, sized by `draft` (MISSING: none; None is a drafted null), its
+    open unions set to `branches`, and laid out."""
+    root = build(schema, depth)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     root.size(draft, b.classes, syntax)
     open_unions = apply(root, branches or {})
@@ -189,30 +216,100 @@ def schema_plan(
 ) -> JsonPlan:
     """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token. The plan can be
     sized by a draft (`JsonPlan.resize`), whose value `read_draft(text, schema)` reads (default: the JSON
-    object the text holds); the schema is checked once, not again for each draft."""
+    object the text holds); the schema is checked once, not again for each draft.
+
+    Plans are cached by the schema's text (and the model's and syntax's terms), its refusals too, and a
+    schema being compiled by another thread is waited for, not compiled twice (`_CACHE`); a compile runs
+    within MAX_COMPILE_SECONDS."""
     m = as_runner(model).model
     args = (tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0], syntax, wrap)
+    try:
+        text = json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError):  # not JSON (a library caller's own objects): not cached
+        return _compiled(schema, args, read_draft)
+    key = (text, args, syntax.name, read_draft is None)  # compiled from a copy: the caller's dict may change
+    return _CACHE.get(key, lambda: _compiled(json.loads(text), args, read_draft))
+
+
+def _compiled(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] | None) -> JsonPlan:
+    """`schema_plan` without its cache, within the compile deadline."""
+    with compile_deadline():
+        return _plan(schema, args, read_draft)
+
+
+def _plan(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] | None) -> JsonPlan:
     validator = _checked(schema)
     read = read_draft or _drafted_json
-    plan = _laid_out(schema, validator, *args)
-    fewest = build(schema).shortest()
-    plan.smallest = _laid_out(schema, validator, *args, fewest).length
+    plan, depth = _deepest(schema, validator, args)
+    fewest = build(schema, depth).shortest()
+    plan.smallest = _laid_out(schema, validator, depth, *args, fewest).length
 
     def resize(text: str | None, limit: int | None = None, branches: dict[Path, int] | None = None) -> JsonPlan:
         """Sized by a draft's values (None: the schema's layout), the unions it leaves open set to
         `branches`; past `limit` tokens, by the draft made whole (`completed`): first with the fewest
         items and the shortest branches where it lacks them, its scalars at their budgets, then with the
         shortest values, then as the shortest answer."""
+        with compile_deadline():
+            return _resized(text, limit, branches)
+
+    def _resized(text: str | None, limit: int | None, branches: dict[Path, int] | None) -> JsonPlan:
         drafted = MISSING if text is None else read(text, schema)
-        tree = build(schema)
+        tree = build(schema, depth)
         for value in (drafted, completed(tree, drafted, budgets=True), completed(tree, drafted), fewest):
-            sized = _laid_out(schema, validator, *args, value, branches)
+            try:
+                sized = _laid_out(schema, validator, depth, *args, value, branches)
+            except TemplateTooLong:
+                continue  # a draft of more values than a template holds: the next, fewer
             if limit is None or sized.length <= limit:
                 return sized
         return sized
 
     plan.resize = resize
     return plan
+
+
+class _PlanCache:
+    """Compiled plans by key, least recently used first out past MAX_CACHED_PLANS; a refusal is kept as
+    its error. One compile per key at a time: a second thread asking for it waits for the first."""
+
+    def __init__(self, size: int):
+        self.size, self.lock = size, threading.Lock()
+        self.done: collections.OrderedDict[tuple, JsonPlan | StructuredOutputError] = collections.OrderedDict()
+        self.running: dict[tuple, threading.Event] = {}
+
+    def get(self, key: tuple, compile_: Callable[[], JsonPlan]) -> JsonPlan:
+        while True:
+            with self.lock:
+                if key in self.done:
+                    self.done.move_to_end(key)
+                    return self._answer(self.done[key])
+                waiting = self.running.get(key)
+                if waiting is None:
+                    self.running[key] = threading.Event()
+                    break
+            waiting.wait()
+        try:
+            out: JsonPlan | StructuredOutputError = compile_()
+        except StructuredOutputError as e:
+            out = e
+        finally:
+            with self.lock:
+                self.running.pop(key).set()
+        with self.lock:
+            self.done[key] = out
+            while len(self.done) > self.size:
+                self.done.popitem(last=False)
+        return self._answer(out)
+
+    @staticmethod
+    def _answer(out: JsonPlan | StructuredOutputError) -> JsonPlan:
+        if isinstance(out, StructuredOutputError):
+            raise StructuredOutputError(str(out))
+        return out
+
+
+MAX_CACHED_PLANS = 64
+_CACHE = _PlanCache(MAX_CACHED_PLANS)
 
 
 def _drafted_json(text: str, schema: dict) -> Any:
@@ -247,8 +344,45 @@ def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict |
     out in the call syntax: `<|tool_call>call:NAME{` pinned, the arguments' values as holes, `}<tool_call|>`
     pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
     schema = parameters or {"type": "object", "properties": {}}
+    _check_writable(schema)
     wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
     return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap, read_draft=_drafted_call(name))
+
+
+_MARKERS = (QUOTE, CALL_OPEN, CALL_CLOSE)  # the call syntax's own tokens: no escape writes them in a value
+
+
+def _check_writable(schema: Any, path: str = "") -> None:
+    """A StructuredOutputError naming the first constant, option or property name of a tool's parameters
+    that holds one of the call syntax's markers (the call would not read back)."""
+    if isinstance(schema, dict):
+        named = (
+            [(f"{path}.properties.{k}", k) for k in schema.get("properties", {})]
+            if isinstance(schema.get("properties"), dict)
+            else []
+        )
+        fixed = [(f"{path}.const", schema["const"])] if "const" in schema else []
+        fixed += [(f"{path}.enum", schema["enum"])] if "enum" in schema else []
+        for where, value in named + fixed:
+            if any(marker in text for text in _strings(value) for marker in _MARKERS):
+                raise StructuredOutputError(f"schema{where}: holds one of {list(_MARKERS)}, which a call cannot write")
+        items = schema.items()
+    elif isinstance(schema, list):
+        items = ((str(i), v) for i, v in enumerate(schema))
+    else:
+        return
+    for key, value in items:
+        _check_writable(value, f"{path}.{key}")
+
+
+def _strings(value: Any):
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict | list):
+        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+            yield from _strings(k)
+            yield from _strings(v)
 
 
 def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:

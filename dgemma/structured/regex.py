@@ -9,6 +9,7 @@ read back as it is when it matches; otherwise as the best matching string under 
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from .nodes import MORE, _Layout, _Read
-from .tokens import StructuredOutputError, Syntax, TokenClasses
+from .tokens import StructuredOutputError, Syntax, TokenClasses, check_deadline
 
 PRINTABLE = "".join(chr(i) for i in range(0x20, 0x7F) if chr(i) not in '"\\')  # a string's own characters
 MAX_PATTERN_CHARS = 128  # the longest string a pattern hole holds (a token per character)
@@ -58,13 +59,14 @@ class Automaton:
         self.chars: list[frozenset[str]] = []
         self.follow: list[set[int]] = []
         self.edges = 0
+        self.layouts: dict[tuple, tuple] = {}  # a hole's (states, ends, masks) per shape and token classes
         try:
             parsed = _parser.parse(pattern)
         except re.error as e:
             raise StructuredOutputError(f"pattern {pattern!r} is not a regular expression: {e}") from None
         if parsed.state.flags & ~(re.UNICODE | re.ASCII):
             raise StructuredOutputError(f"pattern {pattern!r}: inline flags are not supported")
-        nullable, first, last = self._sequence(list(parsed))
+        nullable, first, last = self._sequence(_unanchored(list(parsed)))
         self.start = self._state(frozenset())
         self.follow[self.start] = set(first)
         self.last = set(last) | ({self.start} if nullable else set())
@@ -95,6 +97,7 @@ class Automaton:
     # building: each part of the expression gives (nullable, first states, last states)
 
     def _state(self, chars: frozenset[str]) -> int:
+        check_deadline()
         if len(self.chars) >= MAX_STATES:
             raise StructuredOutputError(f"pattern {self.pattern!r} writes out to more than {MAX_STATES} characters")
         self.chars.append(chars)
@@ -123,8 +126,9 @@ class Automaton:
         return self._join(self._item(op, arg) for op, arg in items)
 
     def _item(self, op, arg) -> tuple[bool, set[int], set[int]]:
-        if op is _parser.AT:
-            return True, set(), set()  # an anchor: the answer is the whole string, so anchors hold
+        if op is _parser.AT:  # `_unanchored` took those at the ends: one inside cannot be honoured
+            where = str(arg).lower().removeprefix("at_")
+            raise StructuredOutputError(f"pattern {self.pattern!r}: an anchor ({where}) is supported only at its ends")
         if op in (_parser.LITERAL, _parser.NOT_LITERAL, _parser.ANY, _parser.IN):
             q = self._state(frozenset(self._chars(op, arg)))
             return False, {q}, {q}
@@ -183,6 +187,21 @@ class Automaton:
         return "".join(ch for ch in PRINTABLE if ch not in out) if negate else out
 
 
+_BEGIN, _END = {_parser.AT_BEGINNING, _parser.AT_BEGINNING_STRING}, {_parser.AT_END, _parser.AT_END_STRING}
+
+
+def _unanchored(items: list) -> list:
+    """The parsed pattern without the `^` / `\\A` it starts with and the `$` / `\\Z` it ends with (each
+    branch of a pattern that is one alternation too): the answer is the whole string, so those hold."""
+    while items and items[0][0] is _parser.AT and items[0][1] in _BEGIN:
+        items = items[1:]
+    while items and items[-1][0] is _parser.AT and items[-1][1] in _END:
+        items = items[:-1]
+    if len(items) == 1 and items[0][0] is _parser.BRANCH:
+        return [(_parser.BRANCH, (None, [_unanchored(list(b)) for b in items[0][1][1]]))]
+    return items
+
+
 class _Regex:
     """A string that matches `automaton`, of `min_length` to `max_length` characters, a single-character
     token per position (see the module docstring). Sized by a drafted string that matches, the hole
@@ -229,6 +248,7 @@ class _Regex:
         ends = [k for k in range(n + 1) if (k == n if self.length is not None else k >= self.min_length)]
         alive = [set() for _ in range(n + 1)]  # states from which the rest can be written
         for k in range(n, -1, -1):
+            check_deadline()
             alive[k] = {p for p in range(len(a.chars)) if p in a.last and k in ends}
             if k < n:
                 alive[k] |= {p for p in range(len(a.chars)) if a.follow[p] & alive[k + 1]}
@@ -246,20 +266,29 @@ class _Regex:
     def layout(self, b: _Layout) -> None:
         c, quote = b.classes, b.syntax.string_open
         self.close, self.writable = c.string(b.syntax)[1], _writable(c, b.syntax)
-        self.states = self._states(self.writable)
+        key = (self.min_length, self.max_length, self.length, c, b.syntax.name)
+        if key not in self.a.layouts:  # the automaton is shared by every schema with its pattern
+            self.a.layouts[key] = self._masks(c)
+        self.states, self.ends, masks = self.a.layouts[key]
+        b.scored = True
+        b.text(quote)
+        self.span = b.hole(masks, None if self.length is not None else self.close)
+        b.text(quote)
+
+    def _masks(self, c: TokenClasses) -> tuple[list[set[int]], list[int], list[torch.Tensor]]:
+        """Per position, the states a match can be in, the lengths a match may end at, and the tokens
+        a position may hold."""
+        states = self._states(self.writable)
         masks, cache = [], {}
-        for k in range(len(self.states) - 1):
-            chars = frozenset(ch for q in self.states[k + 1] for ch in self.a.chars[q] if ch in self.writable)
+        for k in range(len(states) - 1):
+            chars = frozenset(ch for q in states[k + 1] for ch in self.a.chars[q] if ch in self.writable)
             ends = self.length is None and bool(self.ends) and k >= self.ends[0]
             if (chars, ends) not in cache:
                 mask = self.close.clone() if ends else torch.zeros(c.vocab_size, dtype=torch.bool)
                 mask[[self.writable[ch] for ch in chars]] = True
                 cache[chars, ends] = mask
             masks.append(cache[chars, ends])
-        b.scored = True
-        b.text(quote)
-        self.span = b.hole(masks, None if self.length is not None else self.close)
-        b.text(quote)
+        return states, self.ends, masks
 
     def read(self, r: _Read) -> str:
         tokens = r.tokens[self.span]
@@ -322,11 +351,17 @@ def _writable(c: TokenClasses, syntax: Syntax) -> dict[str, int]:
     return {ch: t for ch, t in c.single_chars.items() if not bool(close[t])}
 
 
+@functools.lru_cache(maxsize=256)
+def _automaton(pattern: str) -> Automaton:
+    """One automaton per pattern (it and its layouts are shared: what repeats across requests and fields)."""
+    return Automaton(pattern)
+
+
 def regex_string(pattern: str, min_length: int, max_length: int | None) -> _Regex:
     """A hole for strings that match `pattern` whole, of `min_length` to `max_length` characters (at most
     MAX_PATTERN_CHARS; without a bound, as many as the longest match takes, or DEFAULT_PATTERN_CHARS, or
     the shortest match, when matches can be longer than MAX_PATTERN_CHARS)."""
-    a = Automaton(pattern)
+    a = _automaton(pattern)
     if max_length is None:
         longest = a.longest(MAX_PATTERN_CHARS + 1)
         shortest = len(_Regex(a, min_length, MAX_PATTERN_CHARS).shortest())

@@ -1,10 +1,13 @@
 """A JSON schema compiled into a tree of nodes (dgemma/structured/nodes.py), every keyword checked: what
 is not supported is refused by name and path (docs/structured.md has the table of keywords).
 
-`$ref` to the schema's own `$defs` / `definitions` is expanded in place; a recursive reference is
-expanded at most `REF_DEPTH` times along a path, where a branch of a union or an array's items can stop
-it (past that the branch is dropped, the array is empty). `anyOf`, `oneOf` and lists of types are unions
-whose branch a draft's value chooses (nodes._Union); `{}` (any value) is a union of the scalar types.
+`$ref` to a place in the schema itself (`#`, `#/$defs/Name`, any JSON pointer) is expanded in place; a
+recursive reference is expanded at most `REF_DEPTH` times along a path (fewer when the expansion would
+pass MAX_VALUES: `ref_depth`), and past that, or past MAX_DEPTH levels of objects and arrays, a branch
+of a union or an array's items stops it (the branch is dropped, the array is empty). `anyOf`, `oneOf`
+and lists of types are unions whose branch a draft's value chooses (nodes._Union); `{}` (any value) is
+a union of an object and the scalar types, and a union's `{}` branch or an array of `{}` items (what a
+client writes for a recursive reference it did not expand) stops there too.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ from .tokens import (
     MAX_DEPTH,
     MAX_ITEMS,
     MAX_STRING_TOKENS,
+    MAX_TEMPLATE_TOKENS,
     StructuredOutputError,
+    check_deadline,
 )
 
 MAX_VALUES = 2048  # values a schema may expand to (arrays count maxItems times): bounds compile work
 SMALL_RANGE = 32  # an integer range with at most this many values is a choice among them
 REF_DEPTH = 3  # expansions of one $ref along a path (a recursive model's depth)
+MAX_REFS = 64  # references open along one path (a chain of definitions each naming the next)
 MAX_BRANCHES = 16  # branches of one anyOf / oneOf
+MIN_MULTIPLE = 1e-12  # a number's multipleOf: a value over it stays a finite float within a hole's digits
+MAX_MIN_LENGTH = 4 * MAX_TEMPLATE_TOKENS  # minLength: more characters than any template holds
 _DEFINITIONS = ("$defs", "definitions")
 _UNIONS = ("anyOf", "oneOf")
 
@@ -40,45 +48,69 @@ def _refuse(path: str, message: str) -> StructuredOutputError:
 
 
 class _TooDeep(StructuredOutputError):
-    """A recursive $ref past REF_DEPTH: a union drops the branch, an array of such items is empty."""
+    """A recursive $ref past its depth, or a value past MAX_DEPTH: a union drops the branch, an array of
+    such items is empty (elsewhere, the schema is refused)."""
 
 
 @dataclass
 class _Refs:
-    """The root schema's definitions, and the references being expanded along the current path."""
+    """The root schema, the references being expanded along the current path, and how many times one
+    reference may be open along it."""
 
     root: dict
+    limit: int = REF_DEPTH
     open: list[str] = field(default_factory=list)
 
     def resolve(self, ref: Any, path: str) -> dict:
+        """The schema `ref` (a JSON pointer into the root: `#`, `#/$defs/Name`, ...) names."""
         if not isinstance(ref, str):
             raise _refuse(path, "$ref must be a string")
-        parts = ref.split("/")
-        if len(parts) != 3 or parts[0] != "#" or parts[1] not in _DEFINITIONS:
-            raise _refuse(path, f"$ref {ref!r}: only references to the schema's own $defs or definitions")
-        defs = self.root.get(parts[1])
-        name = parts[2].replace("~1", "/").replace("~0", "~")
-        if not isinstance(defs, dict) or not isinstance(defs.get(name), dict):
-            raise _refuse(path, f"$ref {ref!r} names no definition")
-        if self.open.count(ref) >= REF_DEPTH:
-            raise _TooDeep(f"schema{path}: $ref {ref!r} recurses deeper than {REF_DEPTH} levels")
-        return defs[name]
+        if ref != "#" and not ref.startswith("#/"):
+            raise _refuse(path, f"$ref {ref!r}: only references to the schema's own parts ('#' or '#/...')")
+        target: Any = self.root
+        for part in ref.split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdecimal() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                raise _refuse(path, f"$ref {ref!r} names no definition in the schema")
+        if not isinstance(target, dict):
+            raise _refuse(path, f"$ref {ref!r} names no schema object")
+        if len(self.open) >= MAX_REFS:
+            raise _refuse(path, f"references chain through more than {MAX_REFS} definitions")
+        if self.open.count(ref) >= self.limit:
+            raise _TooDeep(f"schema{path}: $ref {ref!r} recurses deeper than {self.limit} levels")
+        return target
 
 
-def build(schema: dict):
-    """The tree of nodes of a whole schema (a fresh one each time: sizing changes it)."""
-    return _node(schema, "", 0, _Refs(schema))
+def ref_depth(schema: dict) -> int:
+    """How many times a recursive reference is expanded along a path: REF_DEPTH, or fewer where the
+    schema would expand to more than MAX_VALUES values (a recursive model is answered as deep as the
+    budget allows)."""
+    for limit in range(REF_DEPTH, 1, -1):
+        if expanded(schema, limit) <= MAX_VALUES:
+            return limit
+    return 1
 
 
-def expanded(schema: Any) -> int:
+def build(schema: dict, limit: int = REF_DEPTH):
+    """The tree of nodes of a whole schema (a fresh one each time: sizing changes it), each recursive
+    reference expanded at most `limit` times along a path."""
+    return _node(schema, "", 0, _Refs(schema, limit))
+
+
+def expanded(schema: Any, limit: int = REF_DEPTH) -> int:
     """How many values `schema` lays out once references, unions and arrays are expanded (arrays to
     maxItems), computed without building them: a hostile schema would otherwise multiply before any check."""
-    return _expanded(schema, 0, _Refs(schema if isinstance(schema, dict) else {}))
+    return _expanded(schema, 0, _Refs(schema if isinstance(schema, dict) else {}, limit))
 
 
 def _expanded(schema: Any, depth: int, refs: _Refs) -> int:
     """The count, stopped as soon as it passes MAX_VALUES: each value visited counts at least one, so the
-    work is bounded too (distinct definitions that each refer to many others would otherwise multiply)."""
+    work is bounded too (distinct definitions that each refer to many others would otherwise multiply).
+    It follows what `_node` follows: references, unions, allOf, properties and items."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return 1
     if "$ref" in schema:
@@ -91,12 +123,12 @@ def _expanded(schema: Any, depth: int, refs: _Refs) -> int:
             return _expanded(target, depth, refs)
         finally:
             refs.open.pop()
+    wrapped = [b for key in (*_UNIONS, "allOf") for b in (schema.get(key) if isinstance(schema.get(key), list) else [])]
     props = schema.get("properties")
-    inner = [b for key in _UNIONS for b in (schema.get(key) if isinstance(schema.get(key), list) else [])]
-    inner = inner[: MAX_BRANCHES + 1] + (list(props.values()) if isinstance(props, dict) else [])
+    nested = list(props.values()) if isinstance(props, dict) else []
     total = 1
-    for sub in inner:
-        total += _expanded(sub, depth + 1, refs)
+    for sub, deeper in [(b, 0) for b in wrapped[: MAX_BRANCHES + 1]] + [(p, 1) for p in nested]:
+        total += _expanded(sub, depth + deeper, refs)
         if total > MAX_VALUES:
             return total
     items = schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0) or 0))
@@ -109,8 +141,9 @@ def _node(schema: Any, path: str, depth: int, refs: _Refs):
     """The node of one (sub)schema; StructuredOutputError names what is not supported, and where."""
     if not isinstance(schema, dict):
         raise _refuse(path, "must be an object")
-    if depth > MAX_DEPTH:
-        raise _refuse(path, f"nests deeper than {MAX_DEPTH} levels")
+    check_deadline()
+    if depth > MAX_DEPTH:  # objects and arrays: a union's branch or an array's items may stop here
+        raise _TooDeep(f"schema{path}: nests deeper than {MAX_DEPTH} levels of objects and arrays")
     if "$ref" in schema:
         return _reference(schema, path, depth, refs)
     choice = ("const" in schema or "enum" in schema) and not any(key in schema for key in _UNIONS)
@@ -120,7 +153,7 @@ def _node(schema: Any, path: str, depth: int, refs: _Refs):
         parts = schema["allOf"]
         if not isinstance(parts, list) or len(parts) != 1 or set(schema) - _ANNOTATIONS - {"allOf"}:
             raise _refuse(path, "allOf is supported with one schema and nothing else beside it")
-        return _node(parts[0], f"{path}.allOf.0", depth + 1, refs)
+        return _node(parts[0], f"{path}.allOf.0", depth, refs)
     if "const" in schema:
         return _Const(schema["const"])
     if "enum" in schema:
@@ -128,8 +161,8 @@ def _node(schema: Any, path: str, depth: int, refs: _Refs):
         if not isinstance(options, list) or not options or len(options) > 64:
             raise _refuse(path, "enum must be a list of 1 to 64 values")
         return _Const(options[0]) if len(options) == 1 else _Choice(list(options))
-    if not set(schema) - _ANNOTATIONS - set(_DEFINITIONS):  # `{}`: any value (LangChain writes a recursive $ref so)
-        return _union({"type": ["string", "number", "boolean", "null"]}, path, depth, refs)
+    if _any_value(schema):  # `{}`: an object first (LangChain writes a recursive $ref so), or a scalar
+        return _union({"type": ["object", "string", "number", "boolean", "null"]}, path, depth, refs)
     kind = schema.get("type", "object" if "properties" in schema else None)
     if not isinstance(kind, str) or kind not in _KEYWORDS:
         raise _refuse(path, f"type must be one of {sorted(_KEYWORDS)} (got {kind!r})")
@@ -137,11 +170,16 @@ def _node(schema: Any, path: str, depth: int, refs: _Refs):
     if unknown:
         raise _refuse(path, f"{sorted(unknown)} not supported for type {kind!r} (supported: {sorted(_KEYWORDS[kind])})")
     if kind in ("integer", "number"):
-        return _number(schema, kind == "integer")
+        return _number(schema, kind == "integer", path)
     build_ = {"object": _object, "array": _array, "string": _string}.get(kind)
     if build_ is None:
         return _Choice([True, False]) if kind == "boolean" else _Const(None)
     return build_(schema, path, depth, refs)
+
+
+def _any_value(schema: Any) -> bool:
+    """Whether `schema` allows any value (`{}`, or annotations alone)."""
+    return isinstance(schema, dict) and not set(schema) - _ANNOTATIONS - set(_DEFINITIONS)
 
 
 def _reference(schema: dict, path: str, depth: int, refs: _Refs):
@@ -177,10 +215,13 @@ def _union(schema: dict, path: str, depth: int, refs: _Refs) -> Any:
         if not isinstance(branches, list) or not 0 < len(branches) <= MAX_BRANCHES:
             raise _refuse(path, f"{keys[0]} must be a list of 1 to {MAX_BRANCHES} schemas")
         where = [f"{path}.{keys[0]}.{i}" for i in range(len(branches))]
+    if len(branches) > 1 and not all(_any_value(b) for b in branches):  # `{}` beside others: a stop
+        kept = [(b, at) for b, at in zip(branches, where, strict=True) if not _any_value(b)]
+        branches, where = [b for b, _ in kept], [at for _, at in kept]
     nodes, deepest = [], None
     for branch, at in zip(branches, where, strict=True):
         try:
-            nodes.append(_node(branch, at, depth + 1, refs))
+            nodes.append(_node(branch, at, depth, refs))
         except _TooDeep as e:
             deepest = e
     if not nodes:
@@ -206,7 +247,9 @@ def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
         raise _refuse(path, "minItems and maxItems must be integers with 0 <= minItems <= maxItems")
     if high > MAX_ITEMS:
         raise _refuse(path, f"maxItems is at most {MAX_ITEMS} here (got {high})")
-    try:  # without items, any values (a union of the scalar types, as `{}`)
+    if "items" in schema and _any_value(schema["items"]) and not low:
+        return _Array([], 0)  # items of any value: what a client writes for a recursive reference, a stop
+    try:  # without items, any values (a union of an object and the scalar types, as `{}`)
         items = [_node(schema.get("items", {}), f"{path}.items", depth + 1, refs) for _ in range(high)]
     except _TooDeep:
         if low:
@@ -223,6 +266,8 @@ def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Form
             raise _refuse(path, f"{name} must be a non-negative integer")
     if high is not None and high < low:
         raise _refuse(path, "maxLength is below minLength: no string has both")
+    if low > MAX_MIN_LENGTH:
+        raise _refuse(path, f"minLength is at most {MAX_MIN_LENGTH} here (got {low})")
     if "pattern" in schema or schema.get("format") in REGEX_FORMATS:
         if "pattern" in schema and "format" in schema:
             raise _refuse(path, "pattern and format do not go together here (one expression per string)")
@@ -247,41 +292,77 @@ def _string(schema: dict, path: str, depth: int, refs: _Refs) -> _String | _Form
     return _String(max(budget, low + 1, 1), low, high)
 
 
-def _number(schema: dict, integer: bool) -> _Number | _Choice:
-    """An integer or number hole; a small integer range is a choice of its values (valid by construction)."""
-    bounds = [schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
-    if any(not isinstance(v, int | float) or isinstance(v, bool) for v in bounds):
-        raise StructuredOutputError("schema: minimum and maximum must be numbers")
-    lows = [schema["minimum"]] if "minimum" in schema else []
-    highs = [schema["maximum"]] if "maximum" in schema else []
-    if "exclusiveMinimum" in schema:
-        lows.append(math.floor(schema["exclusiveMinimum"]) + 1 if integer else schema["exclusiveMinimum"])
-    if "exclusiveMaximum" in schema:
-        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1 if integer else schema["exclusiveMaximum"])
-    low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+def _number(schema: dict, integer: bool, path: str = "") -> _Number | _Choice | _Const:
+    """An integer or number hole; a small integer range is a choice of its values, a range of one value
+    that value, an empty range refused: every answer within the bounds by construction (what is read
+    outside them is read as the nearest value inside, `_Number.read`)."""
+    bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
+    if any(not isinstance(v, int | float) or isinstance(v, bool) for v in bounds.values()):
+        raise _refuse(path, "minimum and maximum must be numbers")
     step = schema.get("multipleOf", 1)
     if not isinstance(step, int | float) or isinstance(step, bool) or not step > 0:
-        raise StructuredOutputError("schema: multipleOf must be a positive number")
-    if integer and not isinstance(step, int):
+        raise _refuse(path, "multipleOf must be a positive number")
+    if integer:
+        return _integer(bounds, step, path)
+    if step < MIN_MULTIPLE:
+        raise _refuse(path, f"multipleOf is at least {MIN_MULTIPLE} here (got {step})")
+    low, high = _edge(bounds, "minimum", "exclusiveMinimum", max), _edge(bounds, "maximum", "exclusiveMaximum", min)
+    if low is not None and high is not None:
+        empty = low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1]))
+        if "multipleOf" in schema:  # the multiples of step within the bounds, by their index
+            first = math.floor(low[0] / step) + 1 if low[1] else math.ceil(low[0] / step)
+            last = math.ceil(high[0] / step) - 1 if high[1] else math.floor(high[0] / step)
+            empty = empty or first > last
+        if empty:
+            raise _refuse(
+                path, f"no number lies within the bounds{' and is a multiple of ' + str(step) if step != 1 else ''}"
+            )
+        if low[0] == high[0]:
+            return _Const(low[0])
+    signed = low is None or low[0] < 0
+    digits = max([len(str(int(abs(v)))) for v in bounds.values()], default=8)
+    node = _Number(min(digits + 8, 24), signed, False)
+    node.bounds = (low and low[0], high and high[0])
+    node.multiple = step if "multipleOf" in schema else None
+    node.exclusive = (low[0] if low and low[1] else None, high[0] if high and high[1] else None)
+    return node
+
+
+def _edge(bounds: dict, inclusive: str, exclusive: str, pick) -> tuple[float, bool] | None:
+    """The tighter of a number's inclusive and exclusive bound on one side: (value, whether exclusive)."""
+    sides = [(bounds[inclusive], False)] if inclusive in bounds else []
+    sides += [(bounds[exclusive], True)] if exclusive in bounds else []
+    if not sides:
+        return None
+    best = pick(v for v, _ in sides)
+    return best, any(exclusive and v == best for v, exclusive in sides)
+
+
+def _integer(bounds: dict, step: int | float, path: str) -> _Number | _Choice | _Const:
+    """An integer hole: the bounds moved inward to whole multiples of `step`, in exact integer arithmetic
+    (a bound past 2**53 is not a float)."""
+    if not isinstance(step, int):
         if not float(step).is_integer():
-            raise StructuredOutputError("schema: an integer's multipleOf is supported as an integer")
+            raise _refuse(path, "an integer's multipleOf is supported as an integer")
         step = int(step)
-    if integer:  # the bounds moved to multiples: every value read back is rounded to the nearest one
-        low = None if low is None else math.ceil(low / step) * step
-        high = None if high is None else math.floor(high / step) * step
-    if integer and low is not None and high is not None:
+    lows = [math.ceil(bounds["minimum"])] if "minimum" in bounds else []
+    highs = [math.floor(bounds["maximum"])] if "maximum" in bounds else []
+    lows += [math.floor(bounds["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in bounds else []
+    highs += [math.ceil(bounds["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in bounds else []
+    low = -(-max(lows) // step) * step if lows else None
+    high = min(highs) // step * step if highs else None
+    if low is not None and high is not None:
         if low > high:
             what = "integer" if step == 1 else f"integer multiple of {step}"
-            raise StructuredOutputError(f"schema: no {what} lies within the bounds")
+            raise _refuse(path, f"no {what} lies within the bounds")
         if (high - low) // step < SMALL_RANGE:
-            return _Choice(list(range(low, high + 1, step)))
+            values = list(range(low, high + 1, step))
+            return _Const(values[0]) if len(values) == 1 else _Choice(values)
         if low >= 0:
             node = _Number(0, False, True, digits=(len(str(low)), len(str(high))))
             node.bounds, node.multiple = (low, high), (step if step > 1 else None)
             return node
-    signed = low is None or low < 0
-    digits = max([len(str(int(abs(v)))) for v in bounds], default=8)
-    node = _Number(min(digits + 2 + (0 if integer else 6), 24), signed, integer)
-    node.bounds, node.multiple = (low, high), (step if step != 1 or not integer else None)
-    node.exclusive = (schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum"))
+    digits = max([len(str(abs(v))) for v in (low, high) if v is not None], default=8)
+    node = _Number(min(digits + 2, 24), low is None or low < 0, True)
+    node.bounds, node.multiple = (low, high), (step if step > 1 else None)
     return node

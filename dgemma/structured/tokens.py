@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,33 @@ class StructuredOutputError(ValueError):
     `steps` holds the denoising steps the attempts took (0 when nothing ran)."""
 
     steps: int = 0
+
+
+MAX_COMPILE_SECONDS = 5.0  # one schema's compile (or one draft's layout): past it, a 400
+_DEADLINE = threading.local()
+
+
+@contextlib.contextmanager
+def compile_deadline(seconds: float = MAX_COMPILE_SECONDS):
+    """Bound the compile work of the current thread (an enclosing deadline stands)."""
+    previous = getattr(_DEADLINE, "at", None)
+    _DEADLINE.at = time.monotonic() + seconds if previous is None else previous
+    try:
+        yield
+    finally:
+        _DEADLINE.at = previous
+
+
+def check_deadline() -> None:
+    """A StructuredOutputError once the current compile has run past its deadline (called per node,
+    per hole and per automaton state: what a schema's size multiplies)."""
+    at = getattr(_DEADLINE, "at", None)
+    if at is not None and time.monotonic() > at:
+        raise StructuredOutputError(f"the schema takes more than {MAX_COMPILE_SECONDS:g} s to compile here")
+
+
+class TemplateTooLong(StructuredOutputError):
+    """A layout past MAX_TEMPLATE_TOKENS (a recursive schema is laid out shallower instead)."""
 
 
 # ------------------------------------------------------------------------------------------------
