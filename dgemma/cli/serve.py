@@ -16,8 +16,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..server.limits import Limits
     except ImportError as e:
         raise ImportError("the server needs FastAPI, uvicorn and prometheus-client: pip install 'dgemma[serve]'") from e
+    import torch
+
+    from ..runtime.cpu import free_cpus
     from .common import load_model_and_tokenizer
 
+    threads = args.threads or free_cpus()
+    torch.set_num_threads(threads)
     runner, tokenizer = load_model_and_tokenizer(args)
     name = args.served_model_name or Path(args.model).resolve().name
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
@@ -35,7 +40,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
     )
     where = f"http://{args.host}:{args.port}"
-    print(f"dgemma serve: {name} on {where} (playground: {where}/, API: {where}/v1)", file=sys.stderr)
+    print(
+        f"dgemma serve: {name} on {where} (playground: {where}/, API: {where}/v1), {threads} CPU threads",
+        file=sys.stderr,
+    )
     if not loopback and not args.api_key:
         print("dgemma serve: warning: serving beyond this machine without --api-key", file=sys.stderr)
     server = make_server(
@@ -81,7 +89,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def register(sub) -> None:
-    from .common import add_model_args, add_old_name
+    from .common import add_model_args, add_old_name, positive_int
 
     s = sub.add_parser(
         "serve",
@@ -105,6 +113,10 @@ def register(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     add_old_name(s, "--mode", "--kernels", dest="kernels", type=_old_mode)
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="CPU threads for torch (default: the cores not busy with other processes, by the load average)",
+    )  # fmt: skip
     s.set_defaults(func=cmd_serve)
 
 

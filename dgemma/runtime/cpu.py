@@ -47,6 +47,18 @@ def _proc_flags() -> frozenset[str]:
         return frozenset()
 
 
+def free_cpus() -> int:
+    """The CPU cores this process may use that other processes are not busy on: its cores less the
+    one-minute load average, at least 1 (a server's torch threads beside another busy process would
+    oversubscribe the cores: every step waits on the slowest thread)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, cores - busy)
+
+
 def cpu_features(cpuinfo: str | None = None) -> dict:
     """What this CPU multiplies in: the vector width torch dispatches to, and its bf16 and int8
     instructions (read from `cpuinfo`, default /proc/cpuinfo; none where that is not readable)."""

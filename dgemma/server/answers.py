@@ -62,7 +62,7 @@ async def chat_answer(served, body: ChatCompletionRequest, pieces, choices, prom
         if use_tools:
             calls, message["content"] = extract_tool_calls(message["content"])
             if calls:
-                message["tool_calls"] = calls if body.parallel_tool_calls is not False else calls[:1]
+                message["tool_calls"] = calls[: call_limit(body)]
                 reason = "tool_calls"
         entry = {"index": c.index, "message": message, "finish_reason": reason}
         if body.logprobs:
@@ -84,6 +84,11 @@ async def chat_answer(served, body: ChatCompletionRequest, pieces, choices, prom
             **({"choices": [c.details for c in choices]} if any(c.details for c in choices) else {}),
         },
     }
+
+
+def call_limit(body: ChatCompletionRequest) -> int | None:
+    """How many of the calls an answer holds are sent: one with `parallel_tool_calls: false`, else all."""
+    return 1 if body.parallel_tool_calls is False else None
 
 
 class Chunks:
@@ -114,12 +119,14 @@ class Chunks:
 
 
 async def event_stream(
-    chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, calls: bool = False
-):
+    chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, calls: bool = False,
+    most_calls: int | None = None,
+):  # fmt: skip
     """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
     comes (drafts, text, ends with the choice's `dgemma` details if any, errors), the usage if asked for,
     and [DONE]. With `calls` (tools offered), a choice's text from a tool call's start on is held and
-    sent at its end as `tool_calls` deltas (or as text, if it does not parse)."""
+    sent at its end as `tool_calls` deltas, the first `most_calls` of them (or as text, if it does not
+    parse)."""
     by_index = {c.index: c for c in choices}
     held: dict[int, str] = {}
     for text in opening:
@@ -137,7 +144,7 @@ async def event_stream(
                 if rest:
                     yield chunks.choice(piece.index, "content", rest)
                 if found:
-                    deltas = [{"index": k, **call} for k, call in enumerate(found)]
+                    deltas = [{"index": k, **call} for k, call in enumerate(found[:most_calls])]
                     yield sse({**chunks.head, "choices": [{"index": piece.index, "delta": {"tool_calls": deltas}}]})
                     reason = "tool_calls"
             details = by_index[piece.index].details  # set when the choice finished

@@ -118,7 +118,7 @@ class _Body(BaseModel):
     """A part of a request: unknown fields are refused, and `null` for a field means "not sent" (OpenAI's
     spec makes most fields nullable: `"n": null` is n's default)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)  # "yes" is not a bool
 
     @model_validator(mode="before")
     @classmethod

@@ -34,7 +34,7 @@ from . import answers, media
 from . import choices as runs
 from . import logprobs as logprob_blocks
 from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .served import Served, budget, check_chars, check_model, resolve, room, tokenize
+from .served import Served, budget, check_chars, check_model, compile_plans, resolve, room, tokenize
 
 
 def add_generation_routes(app: FastAPI, served: Served) -> None:
@@ -116,18 +116,19 @@ async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
             raise ApiError(400, "choices: options are scored on text prompts (leave out the images)", "choices")
         choices = await _chosen(served, body, [prompt], requested, param)
     elif body.forced_call:
-        choices = await _call_choices(served, body, prompt, pixels, tools)
+        choices = await _call_choices(served, body, prompt, pixels, tools, http)
     elif use_tools and _decides(body):
-        choices = await _auto_choices(served, body, prompt, pixels, tools)
+        choices = await _auto_choices(served, body, prompt, pixels, tools, http)
     else:
-        choices = await _json_choices(served, body, [prompt], (requested, param, "messages"), pixels)
+        choices = await _json_choices(served, body, [prompt], (requested, param, "messages"), http, pixels)
         choices = choices or _chat_choices(served, body, prompt, pixels)
     pieces = runs.run(choices, served.tokenizer, http.is_disconnected)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answers.Chunks(served, chat=True)
         opening = [answers.sse({**chunks.head, "choices": [answers.role_delta(c.index)]}) for c in choices]
-        stream = answers.event_stream(chunks, pieces, choices, opening, len(prompt), usage, calls=use_tools)
+        most = answers.call_limit(body)
+        stream = answers.event_stream(chunks, pieces, choices, opening, len(prompt), usage, use_tools, most)
         return StreamingResponse(stream, media_type="text/event-stream")
     return await answers.chat_answer(served, body, pieces, choices, len(prompt), use_tools)
 
@@ -154,7 +155,7 @@ def _submit(served: Served, body, build, params, prompt_tokens: list[int], stops
     )  # fmt: skip
 
 
-async def _json_choices(served: Served, body, prompts: list[list[int]], asked: tuple, pixels=None):
+async def _json_choices(served: Served, body, prompts: list[list[int]], asked: tuple, http, pixels=None):
     """With a json_object / json_schema response_format: the JSON program per prompt and choice (None
     otherwise). `asked`: the length requested, its field, and the prompt's field."""
     fmt = body.response_format
@@ -170,7 +171,7 @@ async def _json_choices(served: Served, body, prompts: list[list[int]], asked: t
     schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
     length = budget(served, requested, longest, param, prompt_param) if schema is None else 0
     where = "response_format.json_schema.schema"  # what a plan that cannot be laid out names
-    plan = await tokenize(served, json_plan, served.model, served.tokenizer, schema, length, param=where)
+    plan = await compile_plans(served, http, json_plan, served.model, served.tokenizer, schema, length, param=where)
     params, limit = _shaped_params(served, body, [plan], longest, asked)
     runner = served.engine.runner
 
@@ -200,11 +201,11 @@ def _shaped_params(served: Served, body, plans: list, longest: int, asked: tuple
             f"fit in the context of {served.context} (whole canvases of {served.canvas})"
         )
         raise ApiError(400, message, prompt_param, code="context_length_exceeded")
-    limit = left if requested is None else budget(served, requested, longest, param, prompt_param)
+    limit = left if requested is None else min(requested, left)  # an upper bound: above the room, the room
     return resolve(served, body.sampling(limit)), limit
 
 
-async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list[dict]):
+async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list, http):
     """tool_choice "required" or a named function: each choice is a call of the function (the named one,
     the only one, or the one the model scores best), its arguments filled under the function's parameters
     schema, read back and validated (dgemma.programs.tool_call_program)."""
@@ -214,7 +215,7 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, "response_format: a required tool call is the answer's format", "response_format")
     named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-    plans = await _tool_plans(served, tools)
+    plans = await _tool_plans(served, tools, http)
     callable_ = [p for n, p in plans if named is None or n == named]
     requested, param = body.requested_tokens
     params, limit = _shaped_params(served, body, callable_, len(prompt), (requested, param, "messages"))
@@ -227,10 +228,10 @@ async def _call_choices(served: Served, body: ChatCompletionRequest, prompt: lis
     return _submit(served, body, build, params, [len(prompt)])
 
 
-async def _tool_plans(served: Served, tools: list[dict]):
+async def _tool_plans(served: Served, tools: list[dict], http):
     """Each tool's call plan; a 400 naming the tool (`tools.i...`) that cannot be called."""
     try:
-        return await tokenize(served, tool_plans, served.model, served.tokenizer, tools, param="tools")
+        return await compile_plans(served, http, tool_plans, served.model, served.tokenizer, tools, param="tools")
     except ApiError as e:  # the message names the tool: "tools.i...: why"
         raise ApiError(400, e.message.partition(": ")[2], e.message.partition(": ")[0]) from None
 
@@ -243,10 +244,10 @@ def _decides(body: ChatCompletionRequest) -> bool:
     return plain and not (body.reasoning or body.stop or body.logprobs)
 
 
-async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list[dict]):
+async def _auto_choices(served: Served, body: ChatCompletionRequest, prompt: list[int], pixels, tools: list, http):
     """tool_choice "auto": per choice, the model's scores decide between text and a call (a call's
     arguments by construction, within max_tokens as text's tokens are)."""
-    plans = await _tool_plans(served, tools)
+    plans = await _tool_plans(served, tools, http)
     requested, param = body.requested_tokens
     params = resolve(served, body.sampling(budget(served, requested, len(prompt), param, "messages")))
     runner, tok = served.engine.runner, served.tokenizer
@@ -340,7 +341,7 @@ async def _completions(served: Served, body: CompletionRequest, http: Request):
     if body.choices is not None:
         choices = await _chosen(served, body, prompts, body.max_tokens, "max_tokens")
     else:
-        choices = await _json_choices(served, body, prompts, (body.max_tokens, "max_tokens", "prompt"))
+        choices = await _json_choices(served, body, prompts, (body.max_tokens, "max_tokens", "prompt"), http)
     if choices is None and body.suffix is not None:  # one prompt (the request model says so)
         plan, choices = await _infill_choices(served, body, prompts[0])
     elif choices is None:

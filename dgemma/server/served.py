@@ -4,7 +4,7 @@ generation route makes before it builds its program (model name, characters, con
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine import Engine
 from ..generate import context_room
@@ -24,6 +24,7 @@ class Served:
     request_timeout: float
     tokenizing: asyncio.Semaphore
     context: int  # the most positions one request may use (prompt + generated): its KV cache's size
+    compiling: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))  # schemas, one at a time
 
     @property
     def canvas(self) -> int:
@@ -46,6 +47,20 @@ async def tokenize(served: Served, fn, *args, param: str, **kwargs):
     async with served.tokenizing:
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
+        except ValueError as e:
+            raise ApiError(400, str(e), param) from e
+
+
+async def compile_plans(served: Served, http, fn, *args, param: str):
+    """Compile a schema's plan (or tools' plans: `fn(*args)`) on a worker thread, one compile at a time (a
+    compile holds the GIL that the engine's step loop needs between its passes) and not at all for a client
+    that left while it waited (a repeated schema is a cache hit: dgemma.structured.plans); its ValueErrors
+    are 400s naming `param`."""
+    async with served.compiling:
+        if http is not None and await http.is_disconnected():
+            raise ApiError(499, "the client closed the request")
+        try:
+            return await asyncio.to_thread(fn, *args)
         except ValueError as e:
             raise ApiError(400, str(e), param) from e
 
