@@ -9,13 +9,18 @@ installed: `pip install instructor`). A case passes when the client returns the 
 parsing and validation); otherwise the table shows the first words of the error. The last column is the mean
 seconds per answer (each a draft and a fill on the engine). Prints a table and ends with one JSON line.
 
-    python benchmarks/client_schemas.py [--seeds 1] [--steps 6]
+    python benchmarks/client_schemas.py [--seeds 1] [--steps 6] [--deep]
+
+With --deep, issue 55's models instead (DEEP_MODELS: OpenAI's recursive UI tree, a company nested six deep,
+two models that refer to each other, a Decimal and a 4-digit year bound) on the shipped code model, whose
+context fits them.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import enum
 import ipaddress
 import json
@@ -33,6 +38,7 @@ from live_server import KEY, LiveServer
 
 import dgemma
 from dgemma.server.app import create_app
+from dgemma.tasks.code import MODEL_DIR as CODE_DIR
 from dgemma.tasks.extract import MODEL_DIR
 
 
@@ -108,6 +114,82 @@ class Contact(BaseModel):
 
 
 MODELS = [Nested, WithOptional, WithEnum, WithLiteral, ListOfModels, WithUnion, DatesAndIds, Category, Contact]
+
+
+# Issue 55: what real applications nest and type (the shipped code model's context fits their layouts)
+class UIType(enum.StrEnum):
+    div = "div"
+    button = "button"
+    header = "header"
+    section = "section"
+    field = "field"
+    form = "form"
+
+
+class Attribute(BaseModel):
+    name: str
+    value: str
+
+
+class UI(BaseModel):  # OpenAI's cookbook UI generator: a component, its children, their attributes
+    type: UIType
+    label: str
+    children: list[UI]
+    attributes: list[Attribute]
+
+
+class Geo(BaseModel):
+    lat: float
+    lng: float
+
+
+class Place(BaseModel):
+    street: str
+    city: str
+    geo: Geo
+
+
+class Employee(BaseModel):
+    name: str
+    address: Place
+
+
+class Team(BaseModel):
+    name: str
+    employees: list[Employee]
+
+
+class Department(BaseModel):
+    name: str
+    teams: list[Team]
+
+
+class Company(BaseModel):  # company -> departments -> teams -> employees -> address -> geo
+    name: str
+    departments: list[Department]
+
+
+class Person(BaseModel):  # two models that refer to each other through Optional
+    name: str
+    team: Optional[Squad] = None  # noqa: UP045
+
+
+class Squad(BaseModel):
+    title: str
+    lead: Optional[Person] = None  # noqa: UP045
+
+
+class Price(BaseModel):  # Decimal: "number or string" in the schema
+    item: str
+    price: decimal.Decimal
+
+
+class Event(BaseModel):  # a 4-digit year bound
+    title: str
+    year: int = Field(ge=1900, le=2100)
+
+
+DEEP_MODELS = [UI, Company, Person, Price, Event]
 PROMPT = "Ana Lopez from Porto ordered 2 red mugs, express."
 
 
@@ -183,12 +265,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=1, help="seeds per case (a case passes when every seed does)")
     parser.add_argument("--steps", type=int, default=6, help="max_denoising_steps")
+    parser.add_argument("--deep", action="store_true", help="issue 55's models (DEEP_MODELS) on the code model")
     args = parser.parse_args()
-    app = create_app(dgemma.load(MODEL_DIR), dgemma.Tokenizer.from_dir(MODEL_DIR), model_name="extract", api_key=KEY)
+    models, model_dir = (DEEP_MODELS, CODE_DIR) if args.deep else (MODELS, MODEL_DIR)
+    app = create_app(dgemma.load(model_dir), dgemma.Tokenizer.from_dir(model_dir), model_name="extract", api_key=KEY)
     rows, t0 = [], time.perf_counter()
     with LiveServer(app) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=600)
-        for model_class in MODELS:
+        for model_class in models:
             for name, call in CLIENTS.items():
                 error, started = None, time.perf_counter()
                 for seed in range(args.seeds):
@@ -203,7 +287,7 @@ def main() -> None:
                 print(f"{model_class.__name__:>14} {name:<27} {'ok' if error is None else error}", flush=True)
     passed = sum(r["ok"] for r in rows)
     print(f"\n| model | {' | '.join(CLIENTS)} | s per answer |\n|---|{'---|' * (len(CLIENTS) + 1)}")
-    for model_class in MODELS:
+    for model_class in models:
         mine = [r for r in rows if r["model"] == model_class.__name__]
         cells = ["ok" if r["ok"] else "fail" for r in mine]
         print(f"| {model_class.__name__} | {' | '.join(cells)} | {sum(r['seconds'] for r in mine) / len(mine):.2f} |")

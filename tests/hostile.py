@@ -83,8 +83,68 @@ ISSUE_40: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("a canvas scored after a prompt id out of range", "/v1/canvas/score", {"prompt": [10**6], "canvas": [1]}, (400,)),
 ]  # fmt: skip
 
+_CHAIN: dict = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(700)} | {"d700": {"type": "string"}}}
+_CHAIN |= {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "required": ["a"]}
+
+
+def _one(schema: dict) -> dict:
+    """`schema` as the one required property of an object."""
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+
+
+def _params(parameters: object) -> dict:
+    """A forced call of one function with these parameters."""
+    return {"messages": USER, "tools": [_tool({"name": "f", "parameters": parameters})], **_FORCED}
+
+
+# Issue 55: schemas and tools that ask for unbounded work or have no answer, and fields of the wrong JSON
+# type. Each is a 400 before any model pass, naming PARAMS[name].
+_SCHEMAS_55 = {
+    "a schema minLength of 1e8": _one({"type": "string", "minLength": 10**8}),
+    "a schema minLength of 2**40": _one({"type": "string", "minLength": 2**40}),
+    "a schema $ref chain 700 long": _CHAIN,
+    "a schema multipleOf of 5e-324": _one({"type": "number", "multipleOf": 5e-324}),
+    "a schema multipleOf of 1e-308": _one({"type": "number", "multipleOf": 1e-308}),
+    "a schema allOf around 32**4 arrays": {"allOf": [_NESTED_ARRAYS]},
+    "a schema number minimum above maximum": _one({"type": "number", "minimum": 2, "maximum": 1}),
+    "a schema number of equal exclusive bounds": _one(
+        {"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.5}
+    ),
+    "a schema integer range without an integer": _one({"type": "integer", "minimum": 0.2, "maximum": 0.8}),
+    "a schema pattern with $ inside": _one({"type": "string", "pattern": "ab$cd"}),
+    "a schema pattern with \\b inside": _one({"type": "string", "pattern": r"a\bb"}),
+}
+ISSUE_55: list[tuple[str, str, object, tuple[int, ...]]] = [
+    (name, CHAT, {"messages": USER, "response_format": _schema(schema)}, (400,)) for name, schema in _SCHEMAS_55.items()
+] + [
+    (f"tool parameters of type {kind}", CHAT, _params({"type": kind}), (400,)) for kind in ("string", "integer", "array")
+] + [
+    ("tool parameters a string", CHAT, _params("a string"), (400,)),
+    ("a tool enum option holding the call quote", CHAT, _params(_one({"enum": ['a<|"|>b', "c"]})), (400,)),
+    ("a tool const holding a call's end", CHAT, _params(_one({"const": "x<tool_call|>"})), (400,)),
+    ("a tool property named with the call quote", CHAT, _params({"type": "object", "properties": {'k<|"|>': {"type": "string"}}}), (400,)),
+    ("strict 'yes'", CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": _one({"type": "string"})}}}, (400,)),
+    ("retries true", CHAT, {"messages": USER, "response_format": _schema(_one({"type": "string"})), "retries": True}, (400,)),
+    ("include_usage 'yes'", CHAT, {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}, (400,)),
+    ("parallel_tool_calls 'yes'", CHAT, {"messages": USER, "tools": [_tool(_F)], "parallel_tool_calls": "yes"}, (400,)),
+    ("a canvas of booleans", "/v1/canvas/score", {"prompt": [2], "canvas": [True, False]}, (400,)),
+    ("n of 2.0", CHAT, {"messages": USER, "n": 2.0}, (400,)),
+]  # fmt: skip
+
 # the field each of those names (the error's `param` starts with it: a bound deep in a value names the path)
 PARAMS = {
+    **{name: "response_format.json_schema.schema" for name in _SCHEMAS_55},
+    **{f"tool parameters of type {kind}": "tools.0.function.parameters" for kind in ("string", "integer", "array")},
+    "tool parameters a string": "tools.0.function.parameters",
+    "a tool enum option holding the call quote": "tools.0.function.parameters",
+    "a tool const holding a call's end": "tools.0.function.parameters",
+    "a tool property named with the call quote": "tools.0.function.parameters",
+    "strict 'yes'": "response_format.json_schema.strict",
+    "retries true": "retries",
+    "include_usage 'yes'": "stream_options.include_usage",
+    "parallel_tool_calls 'yes'": "parallel_tool_calls",
+    "a canvas of booleans": "canvas",
+    "n of 2.0": "n",
     **{f"a tool named {n!r}": "tools.0.function.name" for n in (5, None, ["f"], {"a": 1}, True)},
     **{f"a replayed call named {n!r}": "messages.1.tool_calls.0.function.name" for n in (7, None, ["f"], 1.5)},
     "tools[].function a string, tool_choice named": "tools.0.function",
@@ -261,6 +321,7 @@ HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("seed below zero", CHAT, {"messages": USER, "seed": -1}, (400,)),
     ("an image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, (400,)),
     *ISSUE_40,
+    *ISSUE_55,
 ]
 CRAFTED_PATH = '/v1/x"} 1\n# not a metric'  # sent URL-encoded: it must not become a label value
 

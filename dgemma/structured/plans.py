@@ -22,6 +22,7 @@ from ..tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, parse_tool_calls
 from .nodes import MISSING, _Invalid, _Layout, _Read, completed, json_text
 from .schema import MAX_VALUES, build, expanded, ref_depth
 from .tokens import (
+    DEFAULT_MAX_ITEMS,
     GEMMA_ARGUMENTS,
     JSON,
     StructuredOutputError,
@@ -136,9 +137,9 @@ def compile_schema(
     (`draft_plan`); the others keep their schema budgets."""
     validator = _checked(schema)
     args = (tokenizer, vocab_size, canvas_length, end_id, syntax, wrap)
-    depth = _deepest(schema, validator, args)[1]
+    shape = _deepest(schema, validator, args)[1]
     drafted = MISSING if draft is None else draft  # no draft (compile_schema's callers never draft a null)
-    return _laid_out(schema, validator, depth, *args, drafted)
+    return _laid_out(schema, validator, shape, *args, drafted)
 
 
 def _checked(schema: dict):
@@ -160,23 +161,27 @@ def _checked(schema: dict):
     return validator
 
 
-def _deepest(schema: dict, validator, args: tuple) -> tuple[JsonPlan, int]:
+def _deepest(schema: dict, validator, args: tuple) -> tuple[JsonPlan, tuple[int, int]]:
     """The schema's layout with its recursive references expanded as deep as the values (`ref_depth`) and
-    the template's tokens allow, and that depth."""
+    the template's tokens allow, then its arrays without maxItems as long as they allow, and that shape
+    (references' depth, such arrays' items)."""
     depth = ref_depth(schema)
-    while True:
+    shapes = [(d, DEFAULT_MAX_ITEMS) for d in range(depth, 0, -1)] + [
+        (1, k) for k in range(DEFAULT_MAX_ITEMS - 1, 0, -1)
+    ]
+    for shape in shapes:
         try:
-            return _laid_out(schema, validator, depth, *args), depth
+            return _laid_out(schema, validator, shape, *args), shape
         except TemplateTooLong:
-            if depth == 1:
+            if shape == shapes[-1]:
                 raise
-            depth -= 1
+    raise AssertionError("unreachable: the last shape raises")
 
 
 def _laid_out(
     schema: dict,
     validator,
-    depth: int,
+    shape: tuple[int, int],
     tokenizer,
     vocab_size: int,
     canvas_length: int,
@@ -186,10 +191,10 @@ def _laid_out(
     draft: Any = MISSING,
     branches: dict[Path, int] | None = None,
 ) -> JsonPlan:
-    """`compile_schema` after the checks: a new tree of nodes (sizing changes them), its recursive
-    references expanded `depth` times, sized by `draft` (MISSING: none; None is a drafted null), its
-    open unions set to `branches`, and laid out."""
-    root = build(schema, depth)
+    """`compile_schema` after the checks: a new tree of nodes (sizing changes them) of `shape` (`_deepest`),
+    sized by `draft` (MISSING: none; None is a drafted null), its open unions set to `branches`, and laid
+    out."""
+    root = build(schema, *shape)
     b = _Layout(_classes(tokenizer, vocab_size), syntax)
     root.size(draft, b.classes, syntax)
     open_unions = apply(root, branches or {})
@@ -240,9 +245,9 @@ def _compiled(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] 
 def _plan(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] | None) -> JsonPlan:
     validator = _checked(schema)
     read = read_draft or _drafted_json
-    plan, depth = _deepest(schema, validator, args)
-    fewest = build(schema, depth).shortest()
-    plan.smallest = _laid_out(schema, validator, depth, *args, fewest).length
+    plan, shape = _deepest(schema, validator, args)
+    fewest = build(schema, *shape).shortest()
+    plan.smallest = _laid_out(schema, validator, shape, *args, fewest).length
 
     def resize(text: str | None, limit: int | None = None, branches: dict[Path, int] | None = None) -> JsonPlan:
         """Sized by a draft's values (None: the schema's layout), the unions it leaves open set to
@@ -254,10 +259,10 @@ def _plan(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] | No
 
     def _resized(text: str | None, limit: int | None, branches: dict[Path, int] | None) -> JsonPlan:
         drafted = MISSING if text is None else read(text, schema)
-        tree = build(schema, depth)
+        tree = build(schema, *shape)
         for value in (drafted, completed(tree, drafted, budgets=True), completed(tree, drafted), fewest):
             try:
-                sized = _laid_out(schema, validator, depth, *args, value, branches)
+                sized = _laid_out(schema, validator, shape, *args, value, branches)
             except TemplateTooLong:
                 continue  # a draft of more values than a template holds: the next, fewer
             if limit is None or sized.length <= limit:

@@ -59,6 +59,7 @@ class _Refs:
 
     root: dict
     limit: int = REF_DEPTH
+    items: int = DEFAULT_MAX_ITEMS  # the items of an array without maxItems
     open: list[str] = field(default_factory=list)
 
     def resolve(self, ref: Any, path: str) -> dict:
@@ -95,10 +96,10 @@ def ref_depth(schema: dict) -> int:
     return 1
 
 
-def build(schema: dict, limit: int = REF_DEPTH):
+def build(schema: dict, limit: int = REF_DEPTH, items: int = DEFAULT_MAX_ITEMS):
     """The tree of nodes of a whole schema (a fresh one each time: sizing changes it), each recursive
-    reference expanded at most `limit` times along a path."""
-    return _node(schema, "", 0, _Refs(schema, limit))
+    reference expanded at most `limit` times along a path, an array without maxItems laid out with `items`."""
+    return _node(schema, "", 0, _Refs(schema, limit, items))
 
 
 def expanded(schema: Any, limit: int = REF_DEPTH) -> int:
@@ -242,7 +243,7 @@ def _object(schema: dict, path: str, depth: int, refs: _Refs) -> _Object:
 
 
 def _array(schema: dict, path: str, depth: int, refs: _Refs) -> _Array:
-    low, high = schema.get("minItems", 0), schema.get("maxItems", max(DEFAULT_MAX_ITEMS, schema.get("minItems", 0)))
+    low, high = schema.get("minItems", 0), schema.get("maxItems", max(refs.items, schema.get("minItems", 0)))
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (low, high)) or not 0 <= low <= high:
         raise _refuse(path, "minItems and maxItems must be integers with 0 <= minItems <= maxItems")
     if high > MAX_ITEMS:
@@ -315,7 +316,7 @@ def _number(schema: dict, integer: bool, path: str = "") -> _Number | _Choice | 
             empty = empty or first > last
         if empty:
             raise _refuse(
-                path, f"no number lies within the bounds{' and is a multiple of ' + str(step) if step != 1 else ''}"
+                path, f"no number lies within the bounds{' and is a multiple of ' + str(step) if 'multipleOf' in schema else ''}"
             )
         if low[0] == high[0]:
             return _Const(low[0])
