@@ -12,11 +12,15 @@
   and a plain request's latency before and right after it.
 - cancelled: 64 clients send long prompts and hang up while those still wait in the queue, then one client
   sends a short request: its latency against the idle server's says whether the abandoned prefills still ran.
+- schemas (issue 55): on the shipped code model, a 2-token completion's latency idle, beside 6 requests of
+  24-pattern schemas no cache has seen, and right after 16 such requests whose clients hang up after 0.3 s;
+  a schema's first and second compile; and the server's peak RSS over issue 55's hostile schema set.
 
 Without --model the hostile burst serves a random-weight `tiny` model (benchmarks/serve_load.py's), so the
 figures measure the serving machinery. Prints a table per burst and ends with one JSON line.
 
-    python benchmarks/serve_hostile.py [--model DIR] [--clients 32] [--rounds 2] [--bursts hostile,cancelled,images]
+    python benchmarks/serve_hostile.py [--model DIR] [--clients 32] [--rounds 2]
+                                       [--bursts hostile,cancelled,images,schemas]
 """
 
 from __future__ import annotations
@@ -343,7 +347,117 @@ def image_burst(args, tmp: Path) -> dict:
     }
 
 
-BURSTS = {"hostile": hostile_burst, "cancelled": cancelled_burst, "images": image_burst}
+# ------------------------------------------------------------------------------------------------
+# The schema burst (issue 55)
+
+PATTERNS = [r"[A-Z]{2}-\d{4}", r"\+\d{2} \d{3} \d{4}", r"[a-z]+(-[a-z]+)*", r"\d{4}-\d{2}-\d{2}", r"[A-F0-9]{8}",
+            r"(foo|bar|baz)\d{1,3}", r"v\d+\.\d+\.\d+", r"[a-z0-9._]+@[a-z]+\.(com|org|net)"]  # fmt: skip
+
+
+def _pattern_schema(k: int) -> dict:
+    """24 pattern properties, each pattern made distinct by `k` (a schema no cache has seen)."""
+    props = {f"p{i}": {"type": "string", "pattern": f"^{PATTERNS[i % len(PATTERNS)]}{k}$"} for i in range(24)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _schema_request(schema: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "Fill the form."}], "max_denoising_steps": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}}}  # fmt: skip
+
+
+async def _beside_schemas(url: str, fresh: int) -> dict:
+    """A 2-token completion's latency idle, beside 6 pattern-heavy schema requests, and right after 16 such
+    requests whose clients hang up after 0.3 s (their schemas numbered from `fresh`: none seen before)."""
+    idle = min([await _latency(url) for _ in range(3)])
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        bodies = [_schema_request(_pattern_schema(fresh + k)) for k in range(6)]
+        heavy = [asyncio.create_task(client.post("/v1/chat/completions", json=b)) for b in bodies]
+        await asyncio.sleep(0.05)
+        beside = await _latency(url)
+        statuses = Counter(r.status_code for r in await asyncio.gather(*heavy))
+
+        async def leave(k: int) -> str:
+            try:
+                r = await client.post("/v1/chat/completions", json=_schema_request(_pattern_schema(k)), timeout=0.3)
+            except httpx.TimeoutException:
+                return "left"
+            return str(r.status_code)
+
+        left = Counter(await asyncio.gather(*(leave(fresh + 100 + k) for k in range(16))))
+    after = await _latency(url)
+    return {"idle_s": idle, "beside_s": beside, "heavy": dict(statuses), "cancelled": dict(left), "after_s": after}
+
+
+def _second_compile_ms(model_dir: Path) -> tuple[float, float]:
+    """Milliseconds of a pattern-heavy schema's first compile and of the same schema's second."""
+    import dgemma
+    from dgemma.structured import schema_plan
+
+    model, tok = dgemma.load(model_dir), dgemma.Tokenizer.from_dir(model_dir)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        schema_plan(model, tok, _pattern_schema(999))
+        times.append((time.perf_counter() - t0) * 1000)
+    return times[0], times[1]
+
+
+async def _hostile_schemas(url: str) -> Counter:
+    """Every hostile schema, tool and mistyped field of issue 55 once (tests/hostile.py), one at a time."""
+    from hostile import ISSUE_55
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        return Counter([(await replay(client, path, body, None)).status_code for _, path, body, _ in ISSUE_55])
+
+
+def schema_burst(args, tmp: Path) -> dict:
+    """Side by side on one fresh server of the shipped code model (or --model): a plain request's latency
+    idle, beside pattern-heavy schema requests and after cancelled ones; a schema's second compile; and the
+    server's peak RSS over the hostile schema set."""
+    from dgemma.tasks.code import MODEL_DIR
+
+    model = args.model or MODEL_DIR
+    first_ms, second_ms = _second_compile_ms(model)
+    with Server(model, max_batch=8, max_queue=64) as server:
+        asyncio.run(_beside_schemas(server.url, 0))  # warm-up: every path once
+        r = asyncio.run(_beside_schemas(server.url, 1000))
+        cached = asyncio.run(_beside_schemas(server.url, 1000))  # the same schemas again: no compile at all
+        before = server.peak_rss_mb()
+        statuses = asyncio.run(_hostile_schemas(server.url))
+        after = server.peak_rss_mb()
+    print(f"\nschemas: {model}; 2-token completions (2 steps) beside schema requests of 24 patterns each\n")
+    print("| schemas | idle (s) | beside 6 (s) | after 16 cancelled (s) | 6 answers | 16 cancelled |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, x in (("new: each compiled", r), ("seen: cache hits", cached)):
+        cells = f"{x['idle_s']:.3f} | {x['beside_s']:.3f} | {x['after_s']:.3f} | {x['heavy']} | {x['cancelled']}"
+        print(f"| {name} | {cells} |")
+    print("\n| first compile (ms) | second compile (ms) | hostile set answers | peak RSS before -> after (MB) |")
+    print("|---:|---:|---|---|")
+    print(f"| {first_ms:.1f} | {second_ms:.3f} | {dict(statuses)} | {before:.0f} -> {after:.0f} |")
+    return {
+        "model": str(model),
+        "idle_s": round(r["idle_s"], 3),
+        "beside_compiles_s": round(r["beside_s"], 3),
+        "after_cancelled_s": round(r["after_s"], 3),
+        "ratio_beside": round(r["beside_s"] / r["idle_s"], 2),
+        "ratio_after": round(r["after_s"] / r["idle_s"], 2),
+        "cached_beside_s": round(cached["beside_s"], 3),  # the same burst with its schemas cached: what the
+        "cached_after_s": round(cached["after_s"], 3),  # engine's shared passes cost without any compile
+        "first_compile_ms": round(first_ms, 1),
+        "second_compile_ms": round(second_ms, 3),
+        "hostile_statuses": {str(k): v for k, v in statuses.items()},
+        "peak_rss_mb_before": round(before),
+        "peak_rss_mb_after": round(after),
+        # goals: under 2x idle beside the compiles and after the cancelled ones; a cache hit under 5 ms;
+        # +200 MB at most over the hostile set, none of it a 5xx
+        "ok": max(r["beside_s"], r["after_s"]) < 2 * r["idle_s"]
+        and second_ms < 5
+        and after - before <= 200
+        and not any(k >= 500 for k in statuses),
+    }
+
+
+BURSTS = {"hostile": hostile_burst, "cancelled": cancelled_burst, "images": image_burst, "schemas": schema_burst}
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ Preprocessing (images -> patches) is in images.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -246,8 +247,7 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
-        if pixel_values.shape[1] % c.pooling_kernel_size**2:
-            raise ValueError(f"the patches of an image must be a multiple of {c.pooling_kernel_size**2} rows")
+        check_geometry(c, pixel_values, positions)
         padding = (positions == -1).all(dim=-1)
         h = self.patch_embedder(pixel_values, positions, padding)
         cos_sin = axial_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
@@ -257,6 +257,30 @@ class VisionTower(nn.Module):
         if c.standardize:
             tokens = (tokens - self.std_bias.float()) * self.std_scale.float()
         return tokens.to(h.dtype)
+
+
+def check_geometry(config: VisionConfig, values: torch.Tensor, positions: torch.Tensor) -> None:
+    """Refuse Pixels cut for another tower (images.preprocess with another patch_size or pooling_kernel_size)
+    before they meet its weights: a ValueError saying what they were cut for and what this tower takes."""
+    p, k = config.patch_size, config.pooling_kernel_size
+    takes = f"this model's vision tower takes patch_size {p} and pooling_kernel_size {k}"
+    redo = "preprocess the images with images.geometry(model.config) (chat_prompt and text_prompt do)"
+    if values.dim() != 3 or tuple(positions.shape) != (*values.shape[:2], 2):
+        raise ValueError(
+            f"pixels are values [images, patches, 3 * patch_size**2] and positions [images, patches, 2], not "
+            f"{tuple(values.shape)} and {tuple(positions.shape)}"
+        )
+    width = values.shape[-1]
+    if width != 3 * p * p:
+        cut = math.isqrt(width // 3)
+        was = f"patch_size {cut} ({width} values a patch)" if 3 * cut * cut == width else f"{width} values a patch"
+        raise ValueError(f"the pixels were cut for {was}, but {takes} ({3 * p * p} values a patch): {redo}")
+    rows, grids = values.shape[1], (positions.amax(dim=1) + 1).tolist()  # each image's patches across, down
+    if rows % (k * k) or any(x % k or y % k for x, y in grids):
+        fits = [n for n in range(2, 8) if not rows % (n * n) and all(not x % n and not y % n for x, y in grids)]
+        was = "pooling_kernel_size " + " or ".join(map(str, fits)) if fits else "another pooling_kernel_size"
+        shape = f"{rows} patch rows, grids of {grids[0][0]} x {grids[0][1]} patches"
+        raise ValueError(f"the pixels were cut for {was} ({shape}: not in {k} x {k} pools), but {takes}: {redo}")
 
 
 class VisionEmbedder(nn.Module):
@@ -287,6 +311,9 @@ class Pixels:
     def cat(groups: list[Pixels]) -> Pixels:
         """Images of several budgets as one batch, in order: each padded to the most patch rows (padding
         rows are masked and pooled away, so each image's soft tokens stay its own)."""
+        widths = sorted({g.values.shape[-1] for g in groups})
+        if len(widths) > 1:
+            raise ValueError(f"images cut for different patch sizes ({widths} values a patch) cannot be batched")
         rows = max(g.values.shape[1] for g in groups)
         values = [F.pad(g.values, (0, 0, 0, rows - g.values.shape[1])) for g in groups]
         positions = [F.pad(g.positions, (0, 0, 0, rows - g.positions.shape[1]), value=-1) for g in groups]

@@ -267,6 +267,37 @@ def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] <= 3
 
 
+def test_pixels_cut_for_another_geometry_are_refused_where_they_meet_the_tower(second_geometry):
+    """Pixels cut for Gemma 4's 16-pixel patches pooled 3 x 3, given to a model of 14 and 2 (and each other
+    mix of patch and pool): one ValueError naming what they were cut for and what the tower takes, not a
+    matmul's shape error deep inside."""
+    from helpers import TINY_VISION, load_quiet
+
+    from dgemma.vision import Pixels, VisionConfig, VisionTower
+
+    model = load_quiet(second_geometry[0], dtype="fp32")
+    picture = _picture(160, 90, seed=3)
+    gemma4 = images.preprocess([picture], 70)[0]
+    with pytest.raises(ValueError, match=r"cut for patch_size 16 \(768 values a patch\), but this model's vision "
+                       r"tower takes patch_size 14 and pooling_kernel_size 2 \(588 values"):  # fmt: skip
+        model.image_features(gemma4)
+    assert model.image_features(images.preprocess([picture], 70, **SECOND)[0]).shape[0] > 0
+    tiny = {k: v for k, v in TINY_VISION.items() if k != "model_type"}
+    for cut, tower, message in [
+        ({"patch_size": 16, "pooling_kernel_size": 3}, (16, 2), "cut for pooling_kernel_size 3 "),
+        ({"patch_size": 16, "pooling_kernel_size": 2}, (16, 3), "cut for pooling_kernel_size 2 "),
+        (SECOND, (16, 3), "cut for patch_size 14 "),
+    ]:
+        pixels = images.preprocess([picture], 70, **cut)[0]
+        config = VisionConfig(**tiny, patch_size=tower[0], pooling_kernel_size=tower[1])
+        with pytest.raises(
+            ValueError, match=message + ".*takes patch_size {} and pooling_kernel_size {}".format(*tower)
+        ):
+            VisionTower(config)(pixels.values, pixels.positions)
+    with pytest.raises(ValueError, match="images cut for different patch sizes"):
+        Pixels.cat([gemma4, images.preprocess([picture], 70, **SECOND)[0]])
+
+
 def test_training_cuts_images_as_the_checkpoint_says(second_geometry, tmp_path):
     """dgemma train on records with images, at a second geometry: each record's images are counted and cut
     into the tower's 14-pixel patches pooled 2 x 2 (not Gemma 4's 16 and 3), and the steps run."""

@@ -120,19 +120,58 @@ def test_modelopt_kv_cache_scales_are_reported_and_other_algorithms_refused(sour
             dgemma.load(tmp_path / "kv")
 
 
-def test_hostile_modelopt_files_fail_at_load_naming_the_tensor(source, tmp_path):
+def _q_proj(tensors: dict, local: str) -> str:
+    """The name of layer 0's q_proj tensor `local` in a ModelOpt file."""
+    return next(n for n in tensors if n.endswith(f"layers.0.self_attn.q_proj.{local}"))
+
+
+# damage -> (the tensors it replaces: local name -> value, given the file's tensor of that name; the error)
+HOSTILE = {
+    "bf16 codes": ({"weight": lambda t: torch.zeros(64, 32, dtype=torch.bfloat16)}, "uint8"),
+    "zero global scale": (
+        {"weight_scale_2": lambda t: torch.tensor(0.0)},
+        r"weight_scale_2 holds 0\.0; it must be > 0",
+    ),
+    "inf global scale": ({"weight_scale_2": lambda t: torch.tensor(float("inf"))}, "weight_scale_2 holds non-finite"),
+    "negative global scale": ({"weight_scale_2": lambda t: torch.tensor(-1e-3)}, "weight_scale_2 holds -0.001"),
+    "nan input scale": ({"input_scale": lambda t: torch.tensor(float("nan"))}, "input_scale holds non-finite"),
+    "zero input scale": ({"input_scale": lambda t: torch.tensor(0.0)}, "input_scale holds 0.0; it must be > 0"),
+    "input scale of many values": ({"input_scale": lambda t: torch.ones(4)}, r"input_scale has shape \(4,\)"),
+    "zero group scales": ({"weight_scale": torch.zeros_like}, "weight_scale is all zeros"),
+    "negative group scale": (
+        {"weight_scale": lambda t: (-t.float()).to(t.dtype)},
+        "weight_scale holds negative values",
+    ),
+    "nan group scale": (
+        {"weight_scale": lambda t: torch.full_like(t.float(), float("nan")).to(t.dtype)},
+        "weight_scale holds non-finite",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_modelopt_files_fail_at_load_naming_the_tensor(source, tmp_path, case):
+    """A ModelOpt file written as ModelOpt writes it, then one tensor damaged: the load is one ValueError
+    naming the file and the tensor (a scale of +inf, 0 or NaN would load as weights of 0 or NaN)."""
     write_modelopt(source, tmp_path / "good")
     tensors = load_file(tmp_path / "good" / "model.safetensors")
-    name = next(n for n in tensors if n.endswith("q_proj.weight_scale_2"))
-    cases = {
-        "bf16 codes": ({name.replace("weight_scale_2", "weight"): torch.zeros(64, 32, dtype=torch.bfloat16)}, "uint8"),
-        "orphan scale": ({"model.decoder.norm.input_scale": torch.tensor(1.0)}, "no weight_scale_2 beside it"),
-        "zero scale": ({name: torch.tensor(0.0)}, "non-finite"),
-    }
-    for label, (edit, message) in cases.items():
-        bad = tmp_path / label.replace(" ", "_")
-        bad.mkdir()
-        save_file(tensors | edit, bad / "model.safetensors", metadata={"format": "pt"})
-        (bad / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
-        with pytest.raises(ValueError, match=message):
-            dgemma.load(bad)
+    edits, message = HOSTILE[case]
+    changed = {(name := _q_proj(tensors, local)): damage(tensors[name]) for local, damage in edits.items()}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors | changed, bad / "model.safetensors", metadata={"format": "pt"})
+    (bad / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    with pytest.raises(ValueError, match=message) as caught:
+        dgemma.load(bad)
+    assert "\n" not in str(caught.value) and "q_proj" in str(caught.value)
+
+
+def test_an_orphan_modelopt_scale_is_refused(source, tmp_path):
+    write_modelopt(source, tmp_path / "good")
+    tensors = load_file(tmp_path / "good" / "model.safetensors")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors | {"model.decoder.norm.input_scale": torch.tensor(1.0)}, bad / "model.safetensors")
+    (bad / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    with pytest.raises(ValueError, match="no weight_scale_2 beside it"):
+        dgemma.load(bad)

@@ -193,6 +193,46 @@ def test_quantize_command_writes_a_checkpoint_every_command_loads(tmp_path, caps
     assert "group_size" in capsys.readouterr().err
 
 
+# Characters str.splitlines() splits at but "\n"-delimited JSON Lines may hold raw inside a string
+RAW_BREAKS = "\u2028\u2029\x85"
+
+
+def test_calibration_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A .jsonl whose texts hold U+2028, U+2029 and U+0085 raw (json.dumps writes them so) and CRLF line
+    ends reads as json.loads reads it line by line, not as "line N is not JSON"."""
+    from dgemma.cli.quant import _calibration_text
+
+    texts = [f"a{RAW_BREAKS}b", "tab\tand \x0b\x0c\x1c\x1d\x1e escaped", "plain"]
+    path = tmp_path / "calibration.jsonl"
+    path.write_bytes(b"".join(json.dumps({"text": t}, ensure_ascii=False).encode() + b"\r\n" for t in texts))
+    assert all(c in path.read_text(encoding="utf-8") for c in RAW_BREAKS)
+    assert [json.loads(line)["text"] for line in path.read_bytes().split(b"\n") if line.strip()] == texts
+    assert _calibration_text(path) == "\n\n".join(texts)
+    path.write_bytes(path.read_bytes() + b'{"text": \n')
+    with pytest.raises(ValueError, match=r"calibration\.jsonl:4 is not JSON"):
+        _calibration_text(path)
+
+
+def test_calibration_text_is_read_up_to_a_bound(tmp_path, monkeypatch):
+    """At most MAX_CALIBRATION_BYTES are read: the .jsonl line the bound cuts is left out (not "not JSON"),
+    and a single line longer than the bound is refused by name."""
+    from dgemma.cli import quant
+
+    lines = [json.dumps({"text": f"sample {i} {RAW_BREAKS}"}, ensure_ascii=False) for i in range(50)]
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    keep = len("\n".join(lines[:20]).encode()) + 1
+    monkeypatch.setattr(quant, "MAX_CALIBRATION_BYTES", keep + 7)  # inside line 21
+    assert quant._calibration_text(path) == "\n\n".join(json.loads(line)["text"] for line in lines[:20])
+    monkeypatch.setattr(quant, "MAX_CALIBRATION_BYTES", keep)  # just after line 20's newline
+    assert quant._calibration_text(path).count("sample") == 20
+    monkeypatch.setattr(quant, "MAX_CALIBRATION_BYTES", 10)
+    with pytest.raises(ValueError, match=r"big\.jsonl:1 is longer than 10 bytes"):
+        quant._calibration_text(path)
+    (tmp_path / "big.txt").write_text("x" * 100)
+    assert quant._calibration_text(tmp_path / "big.txt") == "x" * 10
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", [(48, 64), (64, 64)])  # [out, in]; square: a transposed weight would run
 def test_integer_and_fp8_matmul_kernels_equal_their_reference(mode, shape):

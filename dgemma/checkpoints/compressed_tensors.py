@@ -17,6 +17,7 @@ import torch
 from ..quant import QuantSpec, Spec
 from ..quant.formats import NVFP4_GROUP, Quantized, dequantize, unpack_nibbles
 from ..quant.modules import empty_buffers
+from .checks import check_values
 
 QPARAMS = {"weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape"}
 ACTIVATION_PARAMS = {"input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point"}
@@ -229,9 +230,7 @@ class Module:
 
     def _get(self, local: str) -> torch.Tensor:
         t = self.source.get(self.tensors[local])
-        if local in SCALES and not torch.isfinite(t.float()).all():  # else the weights are NaN or inf too
-            raise ValueError(f"{self.tensors[local]} holds non-finite values (inf or NaN)")
-        return t
+        return check_values(t, self.tensors[local]) if local in SCALES else t  # else the weights are NaN or inf too
 
     def _shape(self) -> tuple[int, int]:
         """The weight's [out, in]: its weight_shape, else its codes' (nvfp4: two codes a byte)."""

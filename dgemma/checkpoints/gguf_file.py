@@ -16,6 +16,7 @@ import torch
 from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
 from ..quant import QuantSpec
 from ..quant.formats import pack_nibbles
+from .checks import check_counts, layer_count, number_field, shown, size_field
 from .names import hf_name
 from .sentencepiece import GEMMA_ARCHITECTURES, gemma_tokenizer_json
 
@@ -98,7 +99,10 @@ def gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
         return default
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the metadata value {key} is not UTF-8 text: {e}") from None
     return float(str(np.float32(value))) if field.types[0].name == "FLOAT32" else value
 
 
@@ -115,6 +119,17 @@ def required_fields(reader, path: Path, arch: str):
     return get
 
 
+def sizes(get, path: Path, arch: str):
+    """`size(key, default=None)`: the metadata value `arch.key` (required_fields' `get`) as a size
+    (checks.size_field: a positive integer, refused by name otherwise); `default` 0 where it is absent."""
+
+    def size(key: str, default: int | None = None) -> int:
+        value = get(key, default)
+        return value if value == 0 and default == 0 else size_field(value, str(path), f"{arch}.{key}")
+
+    return size
+
+
 def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
     """The model and sampler configuration a GGUF file's metadata describes."""
     reader = open_gguf(path)
@@ -123,52 +138,63 @@ def read_config(path: Path) -> tuple[DiffusionGemmaConfig, GenerationConfig]:
         raise ValueError(f"{path} is a GGUF of architecture {arch!r}, not DiffusionGemma ({ARCH!r})")
 
     get = required_fields(reader, path, arch)
-    layers = int(get("block_count"))
-    sliding = get("attention.sliding_window_pattern", [(i + 1) % 6 != 0 for i in range(layers)])
-    layer_types = [SLIDING if s else FULL for s in sliding]
-    kv = get("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * layers
-    for key, values in (("attention.sliding_window_pattern", sliding), ("attention.head_count_kv", kv)):
-        if len(values) != layers:
-            raise ValueError(f"{path}: {arch}.{key} has {len(values)} entries, but block_count says {layers} layers")
-    kv_sliding = {k for k, t in zip(kv, layer_types, strict=True) if t == SLIDING} or {kv[0]}
-    kv_full = {k for k, t in zip(kv, layer_types, strict=True) if t == FULL}
+    size = sizes(get, path, arch)
     tensors = {t.name: t for t in reader.tensors}
+    layers = size("block_count")
+    check_counts(str(path), {f"{arch}.block_count": layers}, {f"{arch}.block_count": layer_count(tensors, "blk.")})
+    layer_types, kv_sliding, kv_full = _layer_kinds(get, path, arch, layers)
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor")
-    embed = tensors["token_embd.weight"]
+    embed, eps = tensors["token_embd.weight"], "attention.layer_norm_rms_epsilon"
     text = TextConfig(
-        vocab_size=int(embed.shape[1]),  # GGML order: [hidden, vocab]
-        hidden_size=int(get("embedding_length")),
-        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(embed.shape[-1]),  # GGML order: [hidden, vocab]
+        hidden_size=size("embedding_length"),
+        intermediate_size=size("feed_forward_length"),
         num_hidden_layers=layers,
-        num_attention_heads=int(get("attention.head_count")),
-        num_key_value_heads=int(kv_sliding.pop()),
-        num_global_key_value_heads=int(kv_full.pop()) if kv_full else None,
-        head_dim=int(get("attention.key_length_swa")),
-        global_head_dim=int(get("attention.key_length")),
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        sliding_window=int(get("attention.sliding_window")),
+        num_attention_heads=size("attention.head_count"),
+        num_key_value_heads=kv_sliding.pop(),
+        num_global_key_value_heads=kv_full.pop() if kv_full else None,
+        head_dim=size("attention.key_length_swa"),
+        global_head_dim=size("attention.key_length"),
+        max_position_embeddings=size("context_length"),
+        rms_norm_eps=number_field(get(eps), str(path), f"{arch}.{eps}"),
+        sliding_window=size("attention.sliding_window"),
         layer_types=layer_types,
         rope_parameters=_rope(reader, get, tensors),
         final_logit_softcapping=_softcap(path, gguf_field(reader, f"{arch}.final_logit_softcapping")),
-        num_experts=gguf_field(reader, f"{arch}.expert_count") or None,
-        top_k_experts=gguf_field(reader, f"{arch}.expert_used_count") or None,
-        moe_intermediate_size=gguf_field(reader, f"{arch}.expert_feed_forward_length") or None,
-        pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        num_experts=size("expert_count", 0) or None,
+        top_k_experts=size("expert_used_count", 0) or None,
+        moe_intermediate_size=size("expert_feed_forward_length", 0) or None,
+        pad_token_id=_token_id(reader, path, "padding"),
+        eos_token_id=_token_id(reader, path, "eos"),
+        bos_token_id=_token_id(reader, path, "bos"),
     )
     canvas = gguf_field(reader, "diffusion.canvas_length")
     if not canvas:
         raise ValueError(f"{path}: diffusion.canvas_length is missing; is this a DiffusionGemma GGUF?")
+    canvas = size_field(canvas, str(path), "diffusion.canvas_length")
     config = DiffusionGemmaConfig(
-        text_config=text, canvas_length=int(canvas), boi_token_id=None, eoi_token_id=None, image_token_id=None
+        text_config=text, canvas_length=canvas, boi_token_id=None, eoi_token_id=None, image_token_id=None
     )
     sampler = {ours: gguf_field(reader, f"diffusion.{key}") for key, ours in _SAMPLER.items()}
     generation = GenerationConfig.from_dict({k: v for k, v in sampler.items() if v is not None}, str(path))
     return config, generation
+
+
+def _layer_kinds(get, path: Path, arch: str, layers: int) -> tuple[list[str], set[int], set[int]]:
+    """Each layer's type, and the KV head counts of the sliding and of the full layers: per layer
+    (`attention.sliding_window_pattern`, `attention.head_count_kv`, one entry a layer) or one for all."""
+    sliding = get("attention.sliding_window_pattern", [(i + 1) % 6 != 0 for i in range(layers)])
+    kv = get("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    for key, values in (("attention.sliding_window_pattern", sliding), ("attention.head_count_kv", kv)):
+        if not isinstance(values, list) or len(values) != layers:
+            count = f"{len(values)} entries" if isinstance(values, list) else f"the value {shown(values)}"
+            raise ValueError(f"{path}: {arch}.{key} has {count}, but block_count says {layers} layers")
+    layer_types = [SLIDING if s else FULL for s in sliding]
+    kv = [size_field(k, str(path), f"{arch}.attention.head_count_kv") for k in kv]
+    kv_sliding = {k for k, t in zip(kv, layer_types, strict=True) if t == SLIDING} or {kv[0]}
+    return layer_types, kv_sliding, {k for k, t in zip(kv, layer_types, strict=True) if t == FULL}
 
 
 def _softcap(path: Path, value: float | None) -> float | None:
@@ -209,12 +235,17 @@ def read_tokenizer(path: Path) -> tuple[str, dict[str, str], str | None] | None:
         source = _sentencepiece_source(reader, path)
     if source is None:
         return None
-    tok = HFTokenizer.from_str(source)
+    if not isinstance(source, str):
+        raise ValueError(f"{path}: tokenizer.huggingface.json must be a string (got {shown(source)})")
+    try:
+        tok = HFTokenizer.from_str(source)
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed document
+        raise ValueError(f"{path}: the tokenizer is not one the tokenizers library reads: {e}") from None
     special = {}
     for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
-        token_id = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None and tok.id_to_token(int(token_id)) is not None:
-            special[name] = tok.id_to_token(int(token_id))
+        token_id = _token_id(reader, path, key)
+        if token_id is not None and tok.id_to_token(token_id) is not None:
+            special[name] = tok.id_to_token(token_id)
     return source, special, gguf_field(reader, "tokenizer.chat_template")
 
 
@@ -229,15 +260,24 @@ def _sentencepiece_source(reader, path: Path) -> str | None:
     pieces, types = gguf_field(reader, "tokenizer.ggml.tokens"), gguf_field(reader, "tokenizer.ggml.token_type")
     if not pieces or types is None:
         raise ValueError(f"{path}: tokenizer.ggml.tokens / token_type are missing or empty")
-    unk, bos = gguf_field(reader, "tokenizer.ggml.unknown_token_id"), gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be an array of strings")
+    if not isinstance(types, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise ValueError(f"{path}: tokenizer.ggml.token_type must be an array of integers")
+    unk, bos = _token_id(reader, path, "unknown"), _token_id(reader, path, "bos")
     add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", True))
     try:
-        return gemma_tokenizer_json(
-            list(pieces), [int(t) for t in types], unk_id=int(unk if unk is not None else 3),
-            bos_id=None if bos is None else int(bos), add_bos=add_bos,
-        )  # fmt: skip
+        return gemma_tokenizer_json(pieces, types, unk_id=3 if unk is None else unk, bos_id=bos, add_bos=add_bos)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+
+
+def _token_id(reader, path: Path, key: str) -> int | None:
+    """The id `tokenizer.ggml.<key>_token_id` (None when absent); a ValueError naming it when not an integer."""
+    value = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{path}: tokenizer.ggml.{key}_token_id must be an integer (got {shown(value)})")
+    return value
 
 
 def ggml_to_ours(name: str) -> str | None:
@@ -250,26 +290,31 @@ def ggml_to_ours(name: str) -> str | None:
     return None
 
 
-def _shape(t) -> tuple[int, ...]:
-    return tuple(int(n) for n in reversed(t.shape))  # GGML lists ne0 (the input dimension) first
+def tensor_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch's order (GGML lists ne0, the input dimension, first)."""
+    return tuple(int(n) for n in reversed(t.shape))
 
 
 def decoded_tensor(t) -> torch.Tensor:
-    """A tensor's values: typed ones as stored (BF16 arrives as bytes), the rest decoded by gguf to fp32."""
+    """A tensor's values: typed ones as stored (BF16 arrives as bytes; integer types stay integers, for the
+    reader to refuse by name where it wants floats), the rest decoded by gguf to fp32."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
     kind = t.tensor_type
-    if kind in (T.F32, T.F16):
-        return torch.from_numpy(np.array(t.data)).reshape(_shape(t))
+    if kind in (T.F32, T.F16, T.F64, T.I8, T.I16, T.I32, T.I64):
+        return torch.from_numpy(np.array(t.data)).reshape(tensor_shape(t))
     if kind == T.BF16:
-        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(_shape(t))
-    return torch.from_numpy(dequantize(t.data, kind)).reshape(_shape(t))
+        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(tensor_shape(t))
+    try:
+        return torch.from_numpy(dequantize(t.data, kind)).reshape(tensor_shape(t))
+    except NotImplementedError:
+        raise ValueError(f"{t.name}: GGML type {kind.name} cannot be decoded by the gguf package") from None
 
 
 def _kept(t) -> dict[str, torch.Tensor]:
     """A Q8_0 / Q4_0 tensor as dgemma's int8 / int4 buffers ("" codes, "_scale" fp16 per 32)."""
-    *lead, n_in = _shape(t)
+    *lead, n_in = tensor_shape(t)
     blocks = torch.from_numpy(np.array(t.data)).reshape(*lead, n_in // 32, -1)
     scale = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
     if t.tensor_type.name == "Q8_0":
@@ -304,7 +349,7 @@ class GGUFSource:
             spec = KEPT.get(t.tensor_type.name)
             if ".experts." in ours:
                 self.entries[hf_name(ours)] = ("value", t, "")  # decided per layer below
-            elif spec is not None and module in keep and _shape(t)[-1] % 32 == 0:
+            elif spec is not None and module in keep and tensor_shape(t)[-1] % 32 == 0:
                 self.specs[hf_name(module)] = spec
                 self._add_kept(hf_name(ours), t, spec)
             else:
@@ -315,8 +360,8 @@ class GGUFSource:
                 raise ValueError(f"{path}: {block} has {sorted(parts)} but needs both ffn_gate_exps and ffn_up_exps")
             if f"{block}.ffn_gate_up_exps.weight" in tensors:
                 raise ValueError(f"{path}: {block} holds its experts twice, fused (ffn_gate_up_exps) and split")
-            if _shape(parts["ffn_gate_exps"]) != _shape(parts["ffn_up_exps"]):
-                shapes = f"{_shape(parts['ffn_gate_exps'])} and {_shape(parts['ffn_up_exps'])}"
+            if tensor_shape(parts["ffn_gate_exps"]) != tensor_shape(parts["ffn_up_exps"]):
+                shapes = f"{tensor_shape(parts['ffn_gate_exps'])} and {tensor_shape(parts['ffn_up_exps'])}"
                 raise ValueError(f"{path}: {block}.ffn_gate_exps and ffn_up_exps differ in shape: {shapes}")
             self.entries[hf_name(f"layers.{block.split('.')[1]}.experts.gate_up_proj")] = (
                 "fuse",
@@ -345,7 +390,7 @@ class GGUFSource:
         from ..quant.modules import empty_buffers
 
         with torch.device("meta"):
-            for suffix, b in empty_buffers(spec, _shape(t)).items():
+            for suffix, b in empty_buffers(spec, tensor_shape(t)).items():
                 self.entries[weight + suffix] = ("kept", t, suffix, tuple(b.shape))
 
     def _scalars(self, path: Path) -> None:
@@ -373,9 +418,9 @@ class GGUFSource:
         if entry[0] == "kept":
             return entry[3]
         if entry[0] == "fuse":
-            gate = _shape(entry[1][0])
+            gate = tensor_shape(entry[1][0])
             return (*gate[:-2], 2 * gate[-2], gate[-1])
-        return _shape(entry[1])
+        return tensor_shape(entry[1])
 
     def dtype(self, name: str) -> str:
         return str(self.entries[name][1].tensor_type.name) if self.entries[name][0] != "fuse" else "F32"

@@ -8,15 +8,21 @@ what is reported or refused: docs/formats.md, "ModelOpt NVFP4".
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..quant.formats import NVFP4_GROUP, QuantSpec
+from .checks import check_values
 from .vllm_export import quantization_config
 
 _RENAMED = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}  # inverted too
+# What ModelOpt's scales must hold (checks.check_values): the global scales are amax / (448 x 6) of a tensor,
+# so > 0 (+inf inverted would make every weight 0, a NaN every output NaN); the per-group scales are >= 0,
+# and not all 0 (every weight 0).
+_RULES = {"weight_scale_2": "positive", "input_scale": "positive", "weight_scale": "scale"}
 _KV_SCALES = ("k_scale", "v_scale")
 
 
@@ -80,6 +86,8 @@ class ModelOptSource:
                 local = _RENAMED[local]
             elif local in _RENAMED:
                 raise ValueError(f"{name} has no weight_scale_2 beside it: a scale of no NVFP4 weight")
+            if local in _RENAMED.values():  # one value each: checked here (input_scale is read by nothing else)
+                self._scalar(name)
             self.map[f"{module}.{local}"] = name
         if dropped or kv_cache:
             warnings.warn(
@@ -87,6 +95,18 @@ class ModelOptSource:
                 "its KV cache in the model's dtype",
                 stacklevel=3,
             )
+
+    def _where(self, name: str) -> str:
+        """A tensor's name, after its file's where the source knows it."""
+        file = getattr(self.source, "where", {}).get(name)
+        return f"{file}: {name}" if file is not None else name
+
+    def _scalar(self, name: str) -> None:
+        """A global scale (`weight_scale_2`, `input_scale`): one value, finite and > 0."""
+        shape = tuple(self.source.shape(name))
+        if math.prod(shape) != 1:
+            raise ValueError(f"{self._where(name)} has shape {shape}; a ModelOpt global scale is one value")
+        check_values(self.source.get(name), self._where(name), _RULES[name.rpartition(".")[2]])
 
     def names(self) -> list[str]:
         return list(self.map)
@@ -100,7 +120,9 @@ class ModelOptSource:
     def get(self, name: str) -> torch.Tensor:
         t = self.source.get(self.map[name])
         if name.endswith(("weight_global_scale", "input_global_scale")):
-            return (1 / t.float()).reshape(1)  # fp32, as compressed-tensors inverts it
+            return (1 / t.float()).reshape(1)  # fp32, as compressed-tensors inverts it (checked > 0 on opening)
+        if name.endswith(".weight_scale"):
+            check_values(t, self._where(self.map[name]), _RULES["weight_scale"])
         return t
 
     def take(self, name: str) -> torch.Tensor:

@@ -21,6 +21,10 @@ import json
 SPACE = "\u2581"
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3", "gemma3n")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 5 unused, 6 byte)
+# The longest piece a vocabulary may hold. Rebuilding the merges tries every two-piece cut of a piece, which
+# costs the square of its length: a 1 MB piece alone would take hours. Gemma 3's 262,144 pieces are at most
+# 31 characters long (a run of spaces), so 256 leaves ample room for any real SentencePiece vocabulary.
+MAX_PIECE_CHARS = 256
 
 
 def respelled(pieces: list[str]) -> list[str]:
@@ -47,6 +51,12 @@ def gemma_tokenizer_json(
     `types` in id order, the unknown and BOS ids, and whether encoding puts BOS first."""
     if len(pieces) != len(types):
         raise ValueError(f"the file lists {len(pieces)} tokens but {len(types)} token types")
+    longest = max(range(len(pieces)), key=lambda i: len(pieces[i]), default=0)
+    if pieces and len(pieces[longest]) > MAX_PIECE_CHARS:
+        raise ValueError(
+            f"token {longest} ({pieces[longest][:20]!r}...) is {len(pieces[longest])} characters long; a "
+            f"SentencePiece vocabulary's pieces are at most {MAX_PIECE_CHARS}"
+        )
     for name, i in (("unknown", unk_id), ("bos", bos_id)):
         if i is not None and not 0 <= i < len(pieces):
             raise ValueError(f"the {name} token id {i} is outside the vocabulary of {len(pieces)}")

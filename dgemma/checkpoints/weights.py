@@ -120,7 +120,7 @@ def _weight_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
 
 
-class _TensorSource:
+class TensorSource:
     """Lazy, memory-mapped access to every tensor of a checkpoint, by HF name."""
 
     def __init__(self, files: list[Path]):
@@ -323,7 +323,7 @@ def _open(directory: Path):
             modules = DiffusionGemma(config).named_modules()
             keep = {n for n, m in modules if type(m) is nn.Linear or isinstance(m, Experts)}
         return config, generation, GGUFSource(gguf, keep), None
-    source = _TensorSource(_weight_files(directory))
+    source = TensorSource(_weight_files(directory))
     config, generation = DiffusionGemmaConfig.from_file(directory), GenerationConfig.from_file(directory)
     raw = json.loads((directory / "config.json").read_text())
     experts = config.text_config.num_experts or 0

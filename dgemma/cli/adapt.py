@@ -11,10 +11,15 @@ from ..checkpoints.weights import resolve_dtype
 def cmd_adapt(args: argparse.Namespace) -> int:
     """Read SOURCE (a Gemma 3 GGUF or HF checkpoint, a Gemma 4 text checkpoint) and write OUT."""
     from ..checkpoints.from_ar import adapt
-    from .common import source_and_out
+    from .common import check_out_apart, source_and_out
 
     source, out = source_and_out(args, "SOURCE")
-    if out.exists() and any(out.iterdir()) and not args.force:
+    if not source.exists():
+        raise FileNotFoundError(f"SOURCE {source} does not exist")
+    check_out_apart(source, out, "SOURCE")
+    if out.is_file():
+        raise ValueError(f"OUT {out} is a file; adapt writes a checkpoint directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
     if args.canvas_length <= 0:
         raise ValueError("--canvas-length must be a positive integer")

@@ -94,6 +94,16 @@ def source_and_out(args, metavar: str, dest: str = "source") -> tuple[Path, Path
     return source, out
 
 
+def check_out_apart(source: Path, out: Path, metavar: str) -> None:
+    """Refuse an OUT that would write over the source: OUT the source itself, OUT inside a source directory,
+    or the source inside OUT (paths resolved, so links and `..` do not hide it). The source is never
+    overwritten, not even with --force."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or (src.is_dir() and dst.is_relative_to(src)) or src.is_relative_to(dst):
+        where = "is" if dst == src else "lies inside" if dst.is_relative_to(src) else "holds"
+        raise ValueError(f"OUT {out} {where} {metavar} {source}: write elsewhere (the source is never overwritten)")
+
+
 def options_or_positionals(options: dict, positionals: list) -> list:
     """Each value of `options` (flag -> value) where given, else the next positional argument: a command
     that takes `DIR OUT` also takes `--model DIR --out OUT`, or any mix. A ValueError for a leftover."""

@@ -19,13 +19,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     processor files); with --calibrate, an NVFP4 W4A4 export with calibrated activation scales."""
     from ..checkpoints.vllm_export import check_spec, vllm_path
     from ..checkpoints.weights import load
-    from .common import quant_spec, source_and_out, write_checkpoint
+    from .common import check_out_apart, quant_spec, source_and_out, write_checkpoint
 
     src, out = source_and_out(args, "DIR", dest="directory")
     if not src.is_dir():
         raise FileNotFoundError(f"model directory {src} does not exist")
-    if out.resolve() == src.resolve():
-        raise ValueError("OUT must differ from DIR (the source checkpoint is never overwritten)")
+    check_out_apart(src, out, "DIR")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise ValueError(f"{out} exists and is not empty; pass --force to write into it")
     if out.is_file() and not args.force:
@@ -56,25 +55,41 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _calibration_text(path: Path) -> str:
-    """The calibration text: a .jsonl file's "text" fields, one sample a line, or a plain text file."""
+    """The calibration text: a .jsonl file's "text" fields, one sample a line, or a plain text file. At most
+    MAX_CALIBRATION_BYTES are read (--calibration-samples takes a few thousand tokens of it); a .jsonl line
+    that bound cuts is left out, not read as broken JSON."""
     if not path.is_file():
         raise FileNotFoundError(f"calibration file {path} does not exist")
     with path.open("rb") as f:
-        raw = f.read(MAX_CALIBRATION_BYTES).decode("utf-8", errors="replace")
+        raw = f.read(MAX_CALIBRATION_BYTES + 1)
+    cut, raw = len(raw) > MAX_CALIBRATION_BYTES, raw[:MAX_CALIBRATION_BYTES]
     if path.suffix != ".jsonl":
-        return raw
+        return raw.decode("utf-8", errors="replace")
+    return "\n\n".join(_jsonl_texts(path, raw, cut))
+
+
+def _jsonl_texts(path: Path, raw: bytes, cut: bool) -> list[str]:
+    """The "text" of each line of a .jsonl file's bytes: lines end at "\\n" only (not where str.splitlines
+    also splits: U+2028, U+2029, U+0085, \\x0b, \\x0c, \\x1c-\\x1e, which a JSON string may hold raw), a
+    trailing "\\r" dropped; the last line is left out when the read was `cut` inside it."""
+    lines = raw.split(b"\n")
+    if cut:
+        lines.pop()
+        if not lines:
+            raise ValueError(f"{path}:1 is longer than {MAX_CALIBRATION_BYTES} bytes; give one sample a line")
     texts = []
-    for n, line in enumerate(raw.splitlines(), 1):
+    for n, line in enumerate(lines, 1):
+        line = line.removesuffix(b"\r")
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{n} is not JSON: {e}") from e
+            row = json.loads(line.decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is one too
+            raise ValueError(f"{path}:{n} is not JSON: {e}") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise ValueError(f'{path}:{n}: each line of a .jsonl calibration file is {{"text": "..."}}')
         texts.append(row["text"])
-    return "\n\n".join(texts)
+    return texts
 
 
 def _calibrate(model, src: Path, text: str, samples: int) -> dict:

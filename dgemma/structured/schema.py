@@ -315,9 +315,8 @@ def _number(schema: dict, integer: bool, path: str = "") -> _Number | _Choice | 
             last = math.ceil(high[0] / step) - 1 if high[1] else math.floor(high[0] / step)
             empty = empty or first > last
         if empty:
-            raise _refuse(
-                path, f"no number lies within the bounds{' and is a multiple of ' + str(step) if 'multipleOf' in schema else ''}"
-            )
+            multiple = f" and is a multiple of {step}" if "multipleOf" in schema else ""
+            raise _refuse(path, f"no number lies within the bounds{multiple}")
         if low[0] == high[0]:
             return _Const(low[0])
     signed = low is None or low[0] < 0
