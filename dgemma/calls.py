@@ -6,14 +6,16 @@ events for its caller and model calls for its driver, and ends with a `DoneEvent
     logits = yield DenoiseCall(tokens, cache, self_conditioning)   # one denoising pass
     yield EncodeCall(ids, cache)                                   # a prompt's prefill, a canvas's commit
     scores = yield ScoreCall(prompt, continuations)                # log-probabilities of given continuations
+    value = yield WorkCall(fn, args)                               # client-sized work between passes
 
 The program never holds a runner. `drive(runner, program)` answers each call on its own (`answer`); the
-serving engine (dgemma/engine.py) answers the calls of many programs together, batched by kind.
+serving engine (dgemma/engine.py) answers the calls of many programs together, batched by kind, and
+runs work calls on a worker thread while the other programs' passes go on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,14 +71,25 @@ class ScoreCall:
 
 
 @dataclass
+class WorkCall:
+    """`value = yield WorkCall(fn, args)`: work whose size a client decides, between passes (a schema's
+    layout sized by a draft, an answer's read and validation). `drive` runs it in place; the serving engine
+    on a worker thread, so that it never holds up the other requests' passes. What it raises ends the
+    program."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+
+
+@dataclass
 class DoneEvent:
     """A program's last event: its result (a GenerationResult, JsonResult, InfillResult, Chosen, ...)."""
 
     result: Any
 
 
-ModelCall = DenoiseCall | EncodeCall | ScoreCall
-MODEL_CALLS = (DenoiseCall, EncodeCall, ScoreCall)
+ModelCall = DenoiseCall | EncodeCall | ScoreCall | WorkCall  # what a program asks of its driver
+MODEL_CALLS = (DenoiseCall, EncodeCall, ScoreCall, WorkCall)
 
 
 class LogitsBuffer:
@@ -140,7 +153,9 @@ def alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
 @torch.no_grad()
 def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) -> torch.Tensor | Scores | None:
     """Run one model call on `runner`: a DenoiseCall's logits (written into `buffer`'s rows where the
-    runner writes in place), a ScoreCall's Scores, None for an EncodeCall."""
+    runner writes in place), a ScoreCall's Scores, None for an EncodeCall, a WorkCall's value."""
+    if isinstance(call, WorkCall):
+        return call.fn(*call.args)
     if isinstance(call, ScoreCall):
         return score(runner, call.prompt, call.continuations, call.top, call.pixels)
     if isinstance(call, EncodeCall):

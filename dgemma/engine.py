@@ -16,17 +16,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import torch
 
-from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, EncodeCall, LogitsBuffer, ModelCall, answer
+from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, EncodeCall, LogitsBuffer, ModelCall, WorkCall, answer
 from .generate import DraftEvent, GenerationResult, SamplingParams
 from .kv_cache import EncodeStack, KVCache, StackedCache
 from .model import DiffusionGemma
 from .programs import generate_program
 from .reference import own_global_rng
 from .runtime.runner import Runner, as_runner
+
+WORK_POLL_SECONDS = 0.05  # while every active request waits on work: how long a new one may wait to join
 
 
 class QueueFull(RuntimeError):
@@ -56,6 +59,7 @@ class EngineRequest:
     submitted: float = field(default_factory=time.monotonic)
     # engine side
     _call: ModelCall | None = None  # the model call its program waits on
+    _work: futures.Future | None = None  # its WorkCall, started on the worker thread
 
     def __post_init__(self):
         if self.reference:
@@ -135,6 +139,7 @@ class Engine:
         self._lock = threading.Condition()
         self._stop = False
         self._draining = False
+        self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dgemma-work")  # WorkCalls
         self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
         self._thread.start()
 
@@ -189,6 +194,7 @@ class Engine:
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout=10)
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -278,10 +284,15 @@ class Engine:
     def _step(self) -> None:
         """The encodes and scores the active requests wait on (prompts, commits; encodes of equal shape in
         one pass), until each waits on a denoising pass or has ended; then one denoising pass for the fast
-        requests together, and one for each exact request."""
+        requests together, and one for each exact request. Work calls run on the worker thread meanwhile;
+        when every active request waits on one, the step waits for the first to finish (a new request
+        waits at most WORK_POLL_SECONDS to be admitted)."""
         self._drop_finished()
+        self._work_on()
         while True:
-            waiting = [r for r in self._active if r._call is not None and not isinstance(r._call, DenoiseCall)]
+            waiting = [
+                r for r in self._active if r._call is not None and not isinstance(r._call, DenoiseCall | WorkCall)
+            ]
             if not waiting:
                 break
             for group in self._encode_groups(waiting):
@@ -298,9 +309,25 @@ class Engine:
             self.stats.last_batch_size = len(self._active)  # requests denoised this step
         for group in groups:
             self._denoise(group)
+        self._work_on()
         self._active = [r for r in self._active if r._call is not None]
         if not self._active:
             self._logits.release()  # idle: hold no logits
+        elif all(r._work is not None for r in self._active):
+            futures.wait([r._work for r in self._active], WORK_POLL_SECONDS, futures.FIRST_COMPLETED)
+
+    def _work_on(self) -> None:
+        """Resume each request whose work call is done (its value, or its error ends it), and start the
+        work calls not started yet on the worker thread."""
+        for r in list(self._active):
+            if isinstance(r._call, WorkCall) and r._work is not None and r._work.done():
+                work, r._work = r._work, None
+                if work.exception() is not None:
+                    self._fail([r], work.exception())
+                else:
+                    self._advance(r, work.result())
+            if isinstance(r._call, WorkCall) and r._work is None:
+                r._work = self._worker.submit(r._call.fn, *r._call.args)
 
     def _encode_groups(self, waiting: list[EngineRequest]) -> list[list[EngineRequest]]:
         """The requests waiting on calls other than denoising, grouped: fast text encodes of the same shape

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, result_of, run
+from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, WorkCall, result_of, run
 from .editing import (
     SCORED_SUFFIX,
     InfillPlan,
@@ -254,9 +254,9 @@ def json_program(
             generate_program(runner, [prompt], params, max_new_tokens=length, pixels=pixels), passes=(DraftEvent,)
         )
         text, steps = plan.classes.tokenizer.decode(draft.tokens[0]), sum(draft.stats.steps_per_canvas[0])
-        plan = plan.resize(text, limit)
+        plan = yield WorkCall(plan.resize, (text, limit))
     elif plan.resize is not None and limit is not None:
-        plan = plan.resize(None, limit)
+        plan = yield WorkCall(plan.resize, (None, limit))
     if plan.open and base.resize is not None:
         plan = yield from choose_branches(base, plan, prompt, text, limit, pixels)
     if plan.fixed:  # the shortest answer was all that fits, and it leaves nothing to choose
@@ -292,7 +292,7 @@ def choose_branches(
     while plan.open:
         for path, before, options in plan.branch_requests():
             branches[path] = _likeliest((yield ScoreCall(prompt + before, options, pixels=pixels)))
-        plan = base.resize(text, limit, branches)
+        plan = yield WorkCall(base.resize, (text, limit, branches))
     return plan
 
 
@@ -324,7 +324,7 @@ def read_json(plan: JsonPlan, prompt: list[int], tokens: list[int], alternatives
                 asked[key] = (position, options)
             return answers.get(key, 0)
 
-        value, error = plan.read(tokens, score, alternatives)
+        value, error = yield WorkCall(plan.read, (tokens, score, alternatives))  # validation: off the engine loop
         if not asked:
             return value, error
         for key, (position, options) in asked.items():

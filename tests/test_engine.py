@@ -16,12 +16,14 @@ batch. Exact mode draws from the global generator (as transformers' `generate` d
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 from helpers import load_quiet
 
+from dgemma.calls import WorkCall
 from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
 from dgemma.generate import DoneEvent, DraftEvent, generate
 
@@ -301,3 +303,28 @@ def test_prompts_of_one_shape_share_an_encode_pass_and_get_their_own_tokens(mode
         assert engine.stats.encode_passes == 3  # one for the four prompts, one per commit of their canvases
     finally:
         engine.close()
+
+
+def test_work_calls_run_beside_the_passes_of_other_requests(model, engine):
+    """Client-sized work (a schema's layout, an answer's validation) runs on the engine's worker thread: a
+    request blocked in its work holds up no other request, and what the work raises ends its own request."""
+    gate, threads = threading.Event(), []
+
+    def work(value):
+        threads.append(threading.current_thread().name)
+        assert gate.wait(WAIT), "never released"
+        if value is None:
+            raise ValueError("a bad answer")
+        return value
+
+    def program(value):
+        yield DoneEvent((yield WorkCall(work, (value,))))
+
+    blocked = engine.submit(EngineRequest(program(7)))
+    prompt, params = requests(seed=2)[0]
+    plain = engine.submit(generation_request(engine.runner, prompt, dict(params)))
+    assert collect(plain).tokens[0] == solo(model, prompt, params)[0]  # done while the work still waits
+    gate.set()
+    assert collect(blocked) == 7 and threads[0].startswith("dgemma-work")
+    failing = engine.submit(EngineRequest(program(None)))
+    assert isinstance(collect(failing), ValueError)

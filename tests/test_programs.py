@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers import load_quiet
 
-from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, run
+from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, WorkCall, run
 from dgemma.checkpoints.tokenizer import Tokenizer
 from dgemma.editing import plan_infill
 from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
@@ -141,7 +141,7 @@ def test_programs_yield_every_model_pass_and_hold_no_runner(served):
             item = program.send(reply)
         except StopIteration:
             break
-        reply = None
+        reply = item.fn(*item.args) if isinstance(item, WorkCall) else None
         if isinstance(item, DenoiseCall | EncodeCall | ScoreCall):
             seen.append(type(item).__name__)
             from dgemma.calls import answer

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel
 
 import dgemma
-from dgemma.calls import Scores
+from dgemma.calls import Scores, WorkCall
 from dgemma.generate import context_room
 from dgemma.programs import choose_branches, generate_json
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
@@ -117,6 +117,9 @@ def _drive(program, choose):
             call = program.send(reply)
         except StopIteration as stop:
             return stop.value
+        if isinstance(call, WorkCall):  # a layout or a read, run in place
+            reply = call.fn(*call.args)
+            continue
         best = choose(call.prompt, call.continuations)
         reply = Scores([torch.tensor([0.0 if i == best else -9.0]) for i in range(len(call.continuations))])
 

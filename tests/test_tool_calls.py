@@ -307,7 +307,7 @@ def test_auto_is_the_models_choice_between_a_call_and_text(model_dir, calls):
     from helpers import load_quiet
 
     import dgemma
-    from dgemma.calls import DoneEvent, ScoreCall, Scores, answer
+    from dgemma.calls import MODEL_CALLS, DoneEvent, ScoreCall, Scores, answer
     from dgemma.generate import GenerationResult
     from dgemma.programs import ToolCall, auto_program, tool_plans
     from dgemma.runtime.runner import as_runner
@@ -326,7 +326,7 @@ def test_auto_is_the_models_choice_between_a_call_and_text(model_dir, calls):
         elif isinstance(item, DoneEvent):
             result = item.result
         else:
-            reply = None if not hasattr(item, "cache") else answer(runner, item)
+            reply = answer(runner, item) if isinstance(item, MODEL_CALLS) else None
     if calls:
         assert isinstance(result, ToolCall) and result.name == "get_weather"
         jsonschema.validate(result.arguments, WEATHER["function"]["parameters"])
