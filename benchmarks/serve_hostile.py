@@ -30,6 +30,7 @@ import asyncio
 import base64
 import io
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -366,14 +367,15 @@ def _schema_request(schema: dict) -> dict:
 
 
 async def _beside_schemas(url: str, fresh: int) -> dict:
-    """A 2-token completion's latency idle, beside 6 pattern-heavy schema requests, and right after 16 such
-    requests whose clients hang up after 0.3 s (their schemas numbered from `fresh`: none seen before)."""
-    idle = min([await _latency(url) for _ in range(3)])
+    """A 2-token completion's latency idle and beside 6 pattern-heavy schema requests (the median of 3 sent
+    one after the other), and right after 16 such requests whose clients hang up after 0.3 s (their schemas
+    numbered from `fresh`: none seen before)."""
+    idle = statistics.median([await _latency(url) for _ in range(3)])
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         bodies = [_schema_request(_pattern_schema(fresh + k)) for k in range(6)]
         heavy = [asyncio.create_task(client.post("/v1/chat/completions", json=b)) for b in bodies]
         await asyncio.sleep(0.05)
-        beside = await _latency(url)
+        beside = statistics.median([await _latency(url) for _ in range(3)])  # one after the other, while they run
         statuses = Counter(r.status_code for r in await asyncio.gather(*heavy))
 
         async def leave(k: int) -> str:
