@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,11 +32,13 @@ from openai.lib._pydantic import to_strict_json_schema  # noqa: E402
 
 import dgemma  # noqa: E402
 from dgemma.programs import generate_json, tool_call  # noqa: E402
+from dgemma.runtime.cpu import free_cpus  # noqa: E402
 from dgemma.server import answers  # noqa: E402
 from dgemma.server.app import create_app  # noqa: E402
 from dgemma.server.protocol import ApiError  # noqa: E402
 from dgemma.server.served import compile_plans  # noqa: E402
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan  # noqa: E402
+from dgemma.structured.plans import JsonPlan, _PlanCache  # noqa: E402
 from dgemma.structured.tokens import compile_deadline  # noqa: E402
 from dgemma.tasks.code import MODEL_DIR  # noqa: E402
 
@@ -87,6 +91,19 @@ def test_n8_with_a_schema_streams_every_choice_to_its_end(code_server):
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"]}
     assert sorted(ends) == list(range(8)) and set(ends.values()) == {"stop"}
+
+
+def test_a_json_answers_max_tokens_above_the_room_is_an_upper_bound(code_server):
+    schema = _one({"type": "integer", "minimum": 1900, "maximum": 2100})
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000, "max_denoising_steps": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}  # fmt: skip
+    r = httpx.post(code_server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    assert _valid(schema, json.loads(r.json()["choices"][0]["message"]["content"]))
+
+
+def test_a_server_takes_the_cores_others_leave():
+    assert 1 <= free_cpus() <= (os.cpu_count() or 1)
 
 
 # -- numbers within their bounds for every range --------------------------------------------------------------
@@ -220,6 +237,33 @@ def test_a_schema_compiles_once(code):
     for _ in range(2):  # the refusal is kept too
         with pytest.raises(StructuredOutputError, match="no number lies within"):
             schema_plan(model, tok, bad)
+
+
+def test_the_plan_cache_is_bounded_and_compiles_a_schema_once():
+    def plan(n: int) -> JsonPlan:
+        return JsonPlan(None, [None], [torch.zeros(n, dtype=torch.bool)], None, None)
+
+    cache = _PlanCache(size=2, budget=1000)
+    big = plan(2000)
+    assert cache.get(("big",), lambda: big) is big and ("big",) not in cache.done  # larger than the budget
+    for key in "abc":
+        cache.get((key,), lambda: plan(300))
+    assert list(cache.done) == [("b",), ("c",)]  # two plans at most
+    cache.get(("d",), lambda: plan(900))
+    assert list(cache.done) == [("d",)]  # 1000 bytes of masks at most
+    calls = []
+
+    def slow() -> JsonPlan:
+        calls.append(1)
+        time.sleep(0.2)
+        return plan(10)
+
+    threads = [threading.Thread(target=cache.get, args=(("e",), slow)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1  # the others waited for the first compile
 
 
 # -- tools ---------------------------------------------------------------------------------------------------

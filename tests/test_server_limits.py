@@ -372,6 +372,7 @@ def test_shutdown_ends_open_streams_with_done(app_factory):
         ("--port", "http", "not a port number"),
         ("--request-timeout", "inf", "positive number of seconds"),
         ("--max-queue", "-1", "integer >= 0"),
+        ("--threads", "0", "positive integer"),
     ],
 )
 def test_serve_flags_are_checked(flag, value, message, capsys):

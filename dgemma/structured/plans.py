@@ -274,12 +274,14 @@ def _plan(schema: dict, args: tuple, read_draft: Callable[[str, dict], Any] | No
 
 
 class _PlanCache:
-    """Compiled plans by key, least recently used first out past MAX_CACHED_PLANS; a refusal is kept as
-    its error. One compile per key at a time: a second thread asking for it waits for the first."""
+    """Compiled plans by key, the least recently used out past `size` plans or `budget` bytes of masks; a
+    refusal is kept as its error. One compile per key at a time: a second thread asking waits for it."""
 
-    def __init__(self, size: int):
-        self.size, self.lock = size, threading.Lock()
-        self.done: collections.OrderedDict[tuple, JsonPlan | StructuredOutputError] = collections.OrderedDict()
+    def __init__(self, size: int, budget: int):
+        self.size, self.budget, self.lock = size, budget, threading.Lock()
+        self.done: collections.OrderedDict[tuple, tuple[JsonPlan | StructuredOutputError, int]] = (
+            collections.OrderedDict()
+        )
         self.running: dict[tuple, threading.Event] = {}
 
     def get(self, key: tuple, compile_: Callable[[], JsonPlan]) -> JsonPlan:
@@ -287,24 +289,31 @@ class _PlanCache:
             with self.lock:
                 if key in self.done:
                     self.done.move_to_end(key)
-                    return self._answer(self.done[key])
+                    return self._answer(self.done[key][0])
                 waiting = self.running.get(key)
                 if waiting is None:
                     self.running[key] = threading.Event()
                     break
             waiting.wait()
+        out: JsonPlan | StructuredOutputError | None = None
         try:
-            out: JsonPlan | StructuredOutputError = compile_()
+            out = compile_()
         except StructuredOutputError as e:
             out = e
         finally:
-            with self.lock:
+            with self.lock:  # kept before the waiting threads wake, so that they find it
+                if out is not None:
+                    self._keep(key, out)
                 self.running.pop(key).set()
-        with self.lock:
-            self.done[key] = out
-            while len(self.done) > self.size:
-                self.done.popitem(last=False)
         return self._answer(out)
+
+    def _keep(self, key: tuple, out: JsonPlan | StructuredOutputError) -> None:
+        size = _mask_bytes(out) if isinstance(out, JsonPlan) else 0
+        if size > self.budget:
+            return  # a plan larger than the whole cache is compiled again when asked again
+        self.done[key] = (out, size)
+        while len(self.done) > self.size or sum(n for _, n in self.done.values()) > self.budget:
+            self.done.popitem(last=False)
 
     @staticmethod
     def _answer(out: JsonPlan | StructuredOutputError) -> JsonPlan:
@@ -313,8 +322,15 @@ class _PlanCache:
         return out
 
 
+def _mask_bytes(plan: JsonPlan) -> int:
+    """The bytes of a plan's distinct masks of allowed tokens (a [V] bool each: 256 KB on the 26B)."""
+    masks = {id(m): m for m in plan.allowed or () if m is not None}
+    return sum(m.numel() * m.element_size() for m in masks.values())
+
+
 MAX_CACHED_PLANS = 64
-_CACHE = _PlanCache(MAX_CACHED_PLANS)
+MAX_CACHED_BYTES = 256 * 2**20  # what the cached plans' masks may hold in all
+_CACHE = _PlanCache(MAX_CACHED_PLANS, MAX_CACHED_BYTES)
 
 
 def _drafted_json(text: str, schema: dict) -> Any:
