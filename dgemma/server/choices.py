@@ -21,7 +21,7 @@ from .output import StreamText
 from .protocol import ApiError
 
 log = logging.getLogger("dgemma.server")
-POLL_SECONDS = 0.25  # how often a wait checks whether the client is still there (a left client frees the engine)
+POLL_SECONDS = 0.05  # how often a wait checks whether the client is still there (a left client frees the engine)
 
 
 class _Sink:
