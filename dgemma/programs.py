@@ -444,13 +444,6 @@ def tool_plans(model: DiffusionGemma | Runner, tokenizer, tools: list[dict]) -> 
         if not isinstance(name, str) or len(name) > 128 or not re.fullmatch(FUNCTION_NAME, name):
             raise ValueError(f"tools.{i}: a function name must be letters, digits, _ . - (at most 128)")
         parameters = function.get("parameters")
-        kind = (
-            parameters.get("type", "object" if "properties" in parameters or not parameters else None)
-            if isinstance(parameters, dict)
-            else None
-        )
-        if parameters is not None and kind != "object":
-            raise ValueError(f"tools.{i}.function.parameters: must be a JSON schema of type object (got {kind!r})")
         try:
             plans.append((name, tool_call_plan(model, tokenizer, name, parameters)))
         except StructuredOutputError as e:

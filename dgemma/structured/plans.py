@@ -166,16 +166,11 @@ def _deepest(schema: dict, validator, args: tuple) -> tuple[JsonPlan, tuple[int,
     the template's tokens allow, then its arrays without maxItems as long as they allow, and that shape
     (references' depth, such arrays' items)."""
     depth = ref_depth(schema)
-    shapes = [(d, DEFAULT_MAX_ITEMS) for d in range(depth, 0, -1)] + [
-        (1, k) for k in range(DEFAULT_MAX_ITEMS - 1, 0, -1)
-    ]
+    shapes = [(d, DEFAULT_MAX_ITEMS) for d in range(depth, 1, -1)] + [(1, k) for k in range(DEFAULT_MAX_ITEMS, 1, -1)]
     for shape in shapes:
-        try:
+        with contextlib.suppress(TemplateTooLong):
             return _laid_out(schema, validator, shape, *args), shape
-        except TemplateTooLong:
-            if shape == shapes[-1]:
-                raise
-    raise AssertionError("unreachable: the last shape raises")
+    return _laid_out(schema, validator, (1, 1), *args), (1, 1)  # the last: its TemplateTooLong is the refusal
 
 
 def _laid_out(
@@ -364,7 +359,10 @@ def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict |
     """A Gemma 4 tool call of function `name` whose arguments follow `parameters` (its JSON schema), laid
     out in the call syntax: `<|tool_call>call:NAME{` pinned, the arguments' values as holes, `}<tool_call|>`
     pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
-    schema = parameters or {"type": "object", "properties": {}}
+    schema = {"type": "object", "properties": {}} if parameters in (None, {}) else parameters
+    kind = schema.get("type", "object" if "properties" in schema else None) if isinstance(schema, dict) else None
+    if kind != "object":  # OpenAI's rule: a call's arguments are an object
+        raise StructuredOutputError(f"must be a JSON schema of type object (got {kind!r})")
     _check_writable(schema)
     wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
     return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap, read_draft=_drafted_call(name))

@@ -59,7 +59,7 @@ class Automaton:
         self.chars: list[frozenset[str]] = []
         self.follow: list[set[int]] = []
         self.edges = 0
-        self.layouts: dict[tuple, tuple] = {}  # a hole's (states, ends, masks) per shape and token classes
+        self.layouts: dict[tuple, tuple] = {}  # an unsized hole's (states, ends, masks) per bounds and classes
         try:
             parsed = _parser.parse(pattern)
         except re.error as e:
@@ -266,10 +266,13 @@ class _Regex:
     def layout(self, b: _Layout) -> None:
         c, quote = b.classes, b.syntax.string_open
         self.close, self.writable = c.string(b.syntax)[1], _writable(c, b.syntax)
-        key = (self.min_length, self.max_length, self.length, c, b.syntax.name)
-        if key not in self.a.layouts:  # the automaton is shared by every schema with its pattern
-            self.a.layouts[key] = self._masks(c)
-        self.states, self.ends, masks = self.a.layouts[key]
+        key = (self.min_length, self.max_length, c, b.syntax.name)
+        if self.length is not None:  # sized by a draft: a length of its own, not kept
+            self.states, self.ends, masks = self._masks(c)
+        else:  # the schema's layout, kept: the automaton is shared by every schema with its pattern
+            if key not in self.a.layouts:
+                self.a.layouts[key] = self._masks(c)
+            self.states, self.ends, masks = self.a.layouts[key]
         b.scored = True
         b.text(quote)
         self.span = b.hole(masks, None if self.length is not None else self.close)
@@ -351,7 +354,7 @@ def _writable(c: TokenClasses, syntax: Syntax) -> dict[str, int]:
     return {ch: t for ch, t in c.single_chars.items() if not bool(close[t])}
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _automaton(pattern: str) -> Automaton:
     """One automaton per pattern (it and its layouts are shared: what repeats across requests and fields)."""
     return Automaton(pattern)
