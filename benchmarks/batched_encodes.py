@@ -25,9 +25,7 @@ import torch
 
 from dgemma import accelerate
 from dgemma.bench import random_model
-from dgemma.calls import DoneEvent
-from dgemma.engine import Engine, generation_request
-from dgemma.generate import TokensEvent
+from dgemma.generation.engine import DoneEvent, Engine, TokensEvent, generation_request
 
 
 def run_once(runner, prompts: list[list[int]], batch_encodes: bool, steps: int) -> dict:

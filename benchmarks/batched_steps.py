@@ -23,7 +23,7 @@ import torch
 
 from dgemma import accelerate
 from dgemma.bench import random_model
-from dgemma.kv_cache import StackedCache
+from dgemma.model.kv_cache import StackedCache
 
 
 def sync(device: torch.device) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import dgemma
-from dgemma import calls
+from dgemma.generation.engine import score as encoder_score
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def continuations(model, ar_model, tok, cases: list[tuple[str, str]], context: i
             speed[name][2] += r.stats.decoder_forward_passes[0] if name == "diffusion" else len(new)
             parses[name].append(snippet_parses(prefix, tok.decode(new)))
             if ar_model is not None and new:
-                nll[name][0] -= float(calls.score(ar_model, left, [new]).logprobs[0].sum())
+                nll[name][0] -= float(encoder_score(ar_model, left, [new]).logprobs[0].sum())
                 nll[name][1] += len(new)
     return parses, speed, nll
 

@@ -22,7 +22,7 @@ CASE = """
 import resource, statistics, sys, time, torch
 import dgemma
 from _measure import keep_glibc_defaults
-from dgemma.presets import preset
+from dgemma.model.presets import preset
 case, allocator = sys.argv[1], sys.argv[2]
 if allocator == "glibc":
     keep_glibc_defaults()

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import dgemma
-from dgemma.config import DiffusionGemmaConfig, TextConfig
-from dgemma.generate import DoneEvent, DraftEvent, TokensEvent
+from dgemma.generation.engine import DoneEvent, DraftEvent, TokensEvent
+from dgemma.model.config import DiffusionGemmaConfig, TextConfig
 
 BOS, EOS, SEP, DIGIT0 = 2, 1, 3, 10
 TERMS, PROMPT_TERMS, CANVAS = 28, 3, 32

@@ -31,7 +31,7 @@ import dgemma
 from dgemma import accelerate
 from dgemma.ar import generate_ar
 from dgemma.bench import step_flops
-from dgemma.presets import preset
+from dgemma.model.presets import preset
 
 SIZES = {
     # preset, canvas length, denoising steps per canvas, prompt length, canvases, repeats

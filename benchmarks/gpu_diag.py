@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from helpers import model_sharing_oracle_weights, oracle_from_config
 
 from dgemma import accelerate
-from dgemma.config import DiffusionGemmaConfig
-from dgemma.presets import preset
+from dgemma.model.config import DiffusionGemmaConfig
+from dgemma.model.presets import preset
 
 
 def cut(config: DiffusionGemmaConfig, layers: int) -> DiffusionGemmaConfig:

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test helpers (tests/helpers.py)
 from dgemma import accelerate
 from dgemma.bench import machine_peaks, random_model, run_bench
-from dgemma.presets import preset
-from dgemma.sizes import count_parameters
+from dgemma.model.presets import preset
+from dgemma.model.sizes import count_parameters
 
 START = time.perf_counter()
 

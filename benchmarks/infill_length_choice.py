@@ -22,7 +22,7 @@ import code_eval
 
 import dgemma
 from dgemma import editing
-from dgemma.calls import score
+from dgemma.generation.engine import score
 from dgemma.tasks import code
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ backend), sends the ids with `echo: true, logprobs: 1, max_tokens: 1` to /v1/com
 returned prompt log-probabilities of the choice's tokens (the causal encoder's, dgemma/server/logprobs.py).
 The direct computation splits the texts by lm-eval's rule (trailing whitespace of the context moves to
 the choice, the choice's tokens are those of context + choice after the context's) and sums
-`dgemma.editing.prompt_logprobs` over them.
+`dgemma.generation.editing.prompt_logprobs` over them.
 
     .venv/bin/pip install 'lm-eval[api]==0.4.13'
     python benchmarks/lm_eval_mc.py [--model DIR] [--limit N] [--make-task]
@@ -114,7 +114,7 @@ def run_lm_eval(model: str, port: int, limit: int | None, out: Path) -> tuple[fl
 def direct(model: str, limit: int | None) -> tuple[float, list[int]]:
     """The same accuracy from dgemma's Python API: encoder log-probabilities of each choice's tokens."""
     import dgemma
-    from dgemma.editing import prompt_logprobs
+    from dgemma.generation.editing import prompt_logprobs
 
     m, tok = dgemma.load(model, dtype="fp32"), dgemma.Tokenizer.from_dir(model)
     items = [json.loads(line) for line in DATA.read_text().splitlines()][:limit]

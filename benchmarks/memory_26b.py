@@ -48,8 +48,8 @@ import torch
 
 import dgemma
 from dgemma.checkpoints.weights import atomic_save_tensors, atomic_write_bytes, hf_state_dict
-from dgemma.config import FULL, DiffusionGemmaConfig
-from dgemma.model import DiffusionGemma
+from dgemma.model.config import FULL, DiffusionGemmaConfig
+from dgemma.model.model import DiffusionGemma
 from dgemma.quant import QuantExperts, QuantLinear, QuantSpec, describe, swap_modules, targets
 
 GIB = 2**30
@@ -163,7 +163,7 @@ def component(name: str) -> str:
 def config_with_layers(num_layers: int | None) -> DiffusionGemmaConfig:
     """The 26b-a4b configuration, or one of `num_layers` full-size layers: the real model's first
     `num_layers - 1` layer types, then a full-attention layer (a config must end with one, as the
-    reference's does: dgemma.config forces it)."""
+    reference's does: dgemma.model.config forces it)."""
     config = dgemma.preset("26b-a4b")
     if num_layers:
         config.text_config.num_hidden_layers = num_layers
@@ -283,7 +283,7 @@ def main_direct(args: argparse.Namespace) -> None:
 
 def vision_bytes(config: DiffusionGemmaConfig) -> int:
     """The released vision tower and projection in bf16 (dgemma's quantization keeps it so)."""
-    from dgemma.vision import RELEASED_VISION_CONFIG, VisionConfig, count_vision_parameters
+    from dgemma.model.vision import RELEASED_VISION_CONFIG, VisionConfig, count_vision_parameters
 
     tower = VisionConfig.from_dict(RELEASED_VISION_CONFIG)
     return 2 * count_vision_parameters(tower, config.text_config.hidden_size)

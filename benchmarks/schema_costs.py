@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from client_schemas import MODELS, PROMPT
 
 import dgemma
-from dgemma.programs import generate_json
+from dgemma.generation.programs import generate_json
 from dgemma.structured import StructuredOutputError
 from dgemma.tasks.extract import MODEL_DIR
 

@@ -393,13 +393,14 @@ async def _beside_schemas(url: str, fresh: int) -> dict:
 def _second_compile_ms(model_dir: Path) -> tuple[float, float]:
     """Milliseconds of a pattern-heavy schema's first compile and of the same schema's second."""
     import dgemma
+    from dgemma.generation.programs import sizes_of
     from dgemma.structured import schema_plan
 
     model, tok = dgemma.load(model_dir), dgemma.Tokenizer.from_dir(model_dir)
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        schema_plan(model, tok, _pattern_schema(999))
+        schema_plan(sizes_of(model), tok, _pattern_schema(999))
         times.append((time.perf_counter() - t0) * 1000)
     return times[0], times[1]
 

@@ -24,10 +24,10 @@ import torch
 from _measure import add_glibc_defaults_flag, keep_glibc_defaults, matmul_gflops
 
 import dgemma
-from dgemma.model import MLP, Attention, Experts, Router, SelfConditioning
-from dgemma.presets import preset
+from dgemma.generation.sampling import SAMPLERS, canvas_stats, fast_transition
+from dgemma.model.model import MLP, Attention, Experts, Router, SelfConditioning
+from dgemma.model.presets import preset
 from dgemma.quant import QuantExperts, quantize_model, use_kernels
-from dgemma.sampling import SAMPLERS, canvas_stats, fast_transition
 
 SIZES = {"tiny": dict(canvas=32, prompt=32), "small": dict(canvas=256, prompt=64)}
 PARTS = {

@@ -35,8 +35,9 @@ import time
 import jsonschema
 
 import dgemma
-from dgemma.programs import generate_json
-from dgemma.structured import StructuredOutputError, first_object, generate_json_ar
+from dgemma.ar import generate_json_ar
+from dgemma.generation.programs import generate_json
+from dgemma.structured import StructuredOutputError, first_object
 from dgemma.tasks import extract
 from dgemma.tasks.code import MODEL_DIR as CODE_DIR
 

@@ -1,6 +1,6 @@
 """What an image costs: preprocessing, the vision tower and the prefill of its soft tokens, at each budget.
 
-The released 26B-A4B's tower shape (dgemma.vision.RELEASED_VISION_CONFIG, random weights) projects into
+The released 26B-A4B's tower shape (dgemma.model.vision.RELEASED_VISION_CONFIG, random weights) projects into
 the `small` preset's text model (73M parameters), on this machine's CPU in fp32, one image per prompt: a
 photo-sized random image (1024x768) resized to each budget's grid. Also the tower's share of the 26B-A4B
 model's memory in bf16 and with int4 text weights (dgemma's quantization policy keeps the tower in bf16).
@@ -21,7 +21,7 @@ import torch
 
 import dgemma
 from dgemma.images import SOFT_TOKEN_BUDGETS, preprocess
-from dgemma.vision import RELEASED_VISION_CONFIG, VisionConfig, count_vision_parameters
+from dgemma.model.vision import RELEASED_VISION_CONFIG, VisionConfig, count_vision_parameters
 
 IMAGE_IDS = {"boi_token_id": 31_997, "image_token_id": 31_998, "eoi_token_id": 31_999}
 

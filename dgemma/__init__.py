@@ -11,17 +11,19 @@ dgemma.generate(runner, prompt_ids)
 
 from . import images
 from .ar import generate_ar, stream_ar
-from .checkpoints.tokenizer import Tokenizer
+from .checkpoints.tokenizer import Tokenizer, chat_prompt
 from .checkpoints.weights import load, save
-from .config import DiffusionGemmaConfig, GenerationConfig, TextConfig
-from .generate import GenerationResult, SamplingParams, generate, stream
-from .kv_cache import KVCache
-from .model import DiffusionGemma, EncodeOutput, build
-from .presets import preset
-from .programs import choose, edit, fill, generate_json, infill, tool_call
+from .generation.choose import choose, tool_call
+from .generation.loop import GenerationResult
+from .generation.programs import edit, fill, generate, generate_json, infill, stream
+from .generation.sampling import SamplingParams
+from .generation.session import Session
+from .model.config import DiffusionGemmaConfig, GenerationConfig, TextConfig
+from .model.kv_cache import KVCache
+from .model.model import DiffusionGemma, EncodeOutput, build
+from .model.presets import preset
+from .model.sizes import count_parameters
 from .runtime.runner import Runner, accelerate
-from .session import Session
-from .sizes import count_parameters
 from .tracing import Trace, trace
 
 __version__ = "0.1.0"
@@ -42,6 +44,7 @@ __all__ = [
     "__version__",
     "accelerate",
     "build",
+    "chat_prompt",
     "choose",
     "count_parameters",
     "edit",

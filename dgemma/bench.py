@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .ar import generate_ar
-from .config import DiffusionGemmaConfig
-from .generate import generate
-from .model import DiffusionGemma
-from .presets import preset
+from .generation.programs import generate
+from .model.config import DiffusionGemmaConfig
+from .model.model import DiffusionGemma
+from .model.presets import preset
+from .model.sizes import count_parameters
 from .runtime.cpu import cpu_features
 from .runtime.runner import Runner, as_runner
-from .sizes import count_parameters
 
 # Nominal peaks of common GPUs (memory bandwidth in bytes/s, dense bf16 tensor FLOP/s), from the vendors'
 # data sheets; matched against torch.cuda.get_device_name() by substring, most specific first.
@@ -131,7 +131,7 @@ def step_bytes(model: DiffusionGemma, forward, embedding_uses: int, kv_bytes: in
     """Bytes one forward pass (`forward()`) reads: the weights, counting an expert only if a token was
     routed to it and the tied embedding `embedding_uses` times (the LM head; a denoising step's soft
     embedding too), plus `kv_bytes` of KV cache."""
-    from .model import Experts, Router
+    from .model.model import Experts, Router
     from .quant.modules import QuantExperts
 
     hit: list[int] = []  # experts used, per layer

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .vision import Pixels
+from .model.vision import Pixels
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 GEMMA4_IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # begin of image, placeholder, end of image
@@ -256,29 +256,6 @@ VIDEO_MARKER = "<|video|>"  # what a chat template writes for a video part (Gemm
 VIDEO_FRAME_BUDGET = 70  # soft tokens per video frame, as Gemma 4's processor gives them
 
 
-def media_of(messages: list[dict]) -> list[tuple[str, object, float | None]]:
-    """The images and videos of chat messages in order: ("image", source, None) for every
-    {"type": "image", "image": ...} part, ("video", [frames...], fps) for every
-    {"type": "video", "video": [frame, ...], "fps": 1.0} part (frames are images)."""
-    found = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image":
-                if part.get("image") is None:
-                    raise ValueError(f"message {i} part {j}: an image part needs an 'image' (path, bytes or PIL image)")
-                found.append(("image", part["image"], None))
-            elif kind == "video":
-                frames, fps = part.get("video"), part.get("fps", 1.0)
-                if not isinstance(frames, list | tuple) or not frames:
-                    raise ValueError(f"message {i} part {j}: a video part needs 'video', a non-empty list of frames")
-                if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 60:
-                    raise ValueError(f"message {i} part {j}: fps must be a number in (0, 60] (got {fps!r})")
-                found.append(("video", list(frames), float(fps)))
-    return found
-
-
 def frames_text(counts: list[int], fps: float, tokens: tuple[str, str, str]) -> str:
     """A video's frames as Gemma 4's processor lays them out: "MM:SS <frame>" for each frame, joined by
     spaces, each frame begin-of-image, its placeholders, end-of-image (DiffusionGemma has no video token,
@@ -290,33 +267,3 @@ def frames_text(counts: list[int], fps: float, tokens: tuple[str, str, str]) -> 
         return f"{seconds // 60:02d}:{seconds % 60:02d}"
 
     return " ".join(f"{stamp(k)} {boi}{image * n}{eoi}" for k, n in enumerate(counts))
-
-
-def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
-    """Token ids of chat messages rendered by the checkpoint's template, image and video parts included,
-    and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET, both cut as
-    the checkpoint's vision_config says."""
-    found = media_of(messages)
-    text = tokenizer.render_chat(messages, **template_kwargs)
-    if not found:
-        return tokenizer.encode(text, add_special_tokens=False), None
-    tokens = image_token_strings(tokenizer, config)
-    cut = geometry(config)
-    groups, pieces = [], []
-    rest = text
-    for kind, source, fps in found:
-        marker = tokens[1] if kind == "image" else VIDEO_MARKER
-        head, sep, rest = rest.partition(marker)
-        if not sep:
-            raise ValueError(f"the chat template wrote fewer {kind} tokens than the messages have {kind}s")
-        if kind == "image":
-            pixels, counts = preprocess([source], budget, **cut)
-            pieces += [head, expand_image_tokens(marker, counts, tokens)]
-        else:
-            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame", **cut)
-            pieces += [head, frames_text(counts, fps, tokens)]
-        groups.append(pixels)
-    if tokens[1] in rest or VIDEO_MARKER in rest:
-        raise ValueError("the prompt has more image or video tokens than the messages have images and videos")
-    ids = tokenizer.encode("".join(pieces) + rest, add_special_tokens=False)  # the template wrote BOS
-    return ids, Pixels.cat(groups)

@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .generate import DoneEvent, DraftEvent, SamplingParams, prompt_rows, stream
+from .generation.engine import DoneEvent, DraftEvent
+from .generation.loop import prompt_rows
+from .generation.programs import stream
+from .generation.sampling import SamplingParams
 from .runtime.runner import Runner, as_runner
 
 

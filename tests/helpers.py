@@ -32,7 +32,7 @@ def tiny_text_kwargs(**overrides: Any) -> dict[str, Any]:
     dgemma writes them to config.json (so every oracle checkpoint also checks that transformers reads it)."""
     import dataclasses
 
-    from dgemma.presets import preset
+    from dgemma.model.presets import preset
 
     text = dataclasses.replace(preset("tiny").text_config, layer_types=None, **overrides)
     kw = text.to_dict()
@@ -118,7 +118,7 @@ def model_sharing_oracle_weights(oracle, config):
     """A dgemma model whose tensors *are* the oracle's (no copy): the same weights in both engines, for
     side-by-side speed measurements of models too large to hold twice."""
     from dgemma.checkpoints.names import ENC, hf_name
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.model import DiffusionGemma
 
     theirs = oracle.state_dict()
     with torch.device("meta"):
@@ -368,7 +368,7 @@ def make_copy_model(model, sharpness: float = 10.0):
 def random_pixels(grids: list[tuple[int, int]], rows: int, seed: int = 0, patch_pixels: int = 768):
     """Random patches of images of (rows x columns) patch grids (multiples of 3), padded to `rows` patch
     rows each as the processor pads them: a vision.Pixels, and each image's soft-token count."""
-    from dgemma.vision import Pixels
+    from dgemma.model.vision import Pixels
 
     g = torch.Generator().manual_seed(seed)
     values = torch.zeros(len(grids), rows, patch_pixels)
@@ -415,3 +415,33 @@ def oracle_image_encode(oracle, ids: torch.Tensor, mask: torch.Tensor | None, pi
         past_key_values=pkv,
         mm_token_type_ids=mm,
     ).last_hidden_state
+
+
+def generation_request(
+    runner, prompt, params: dict | object, *, want_drafts: bool = False, timeout=None, check=True, **kwargs
+) -> object:
+    """An EngineRequest of `dgemma.generate`'s task (`kwargs`: pins, allowed, logprobs, pixels), checked."""
+    from dgemma.generation.engine import EngineRequest
+    from dgemma.generation.programs import Generate
+    from dgemma.generation.sampling import SamplingParams
+
+    params = SamplingParams(**params) if isinstance(params, dict) else params
+    rows = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+    task = Generate(rows, params, **kwargs)
+    if check:  # else a request the engine must refuse on its own (the task's check would have)
+        task = task.check(runner.model)
+    elif task.params.max_new_tokens is not None:
+        task = Generate(rows, params.resolve(runner.generation_config, runner.text_config.eos_token_ids))
+    return EngineRequest(task.program(runner.model, runner.canvas_stats), want_drafts=want_drafts, timeout=timeout)
+
+
+def generate_steps(runner, prompt, **settings):
+    """The canvas loop's generator of `dgemma.generate(runner, prompt, **settings)`, checked (a test that
+    answers its calls itself)."""
+    from dgemma.generation.programs import Generate
+    from dgemma.generation.sampling import SamplingParams
+
+    rows = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+    given = {k: settings.pop(k) for k in ("pins", "allowed", "logprobs", "pixels") if k in settings}
+    task = Generate(rows, SamplingParams(**settings), **given).check(runner.model)
+    return task.steps(runner.model, runner.canvas_stats)

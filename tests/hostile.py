@@ -131,6 +131,20 @@ ISSUE_55: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("n of 2.0", CHAT, {"messages": USER, "n": 2.0}, (400,)),
 ]  # fmt: skip
 
+# Issue 56: errors knowable before the first model pass, each a 400 naming its field, streamed or not
+_JSON_OBJECT: dict = {"type": "json_object"}
+_ISSUE_56 = {
+    "mode exact with a schema": (CHAT, {"messages": USER, "mode": "exact", "response_format": _schema(_one({"type": "string"}))}, "mode"),
+    "mode exact with a suffix": (COMPLETIONS, {"prompt": "a", "suffix": "b", "mode": "exact"}, "mode"),
+    "tool_choice auto with max_tokens 1": (CHAT, {"messages": USER, "tools": [_tool(_F)], "tool_choice": "auto", "max_tokens": 1}, "max_tokens"),
+    "a JSON object with max_tokens 1": (CHAT, {"messages": USER, "response_format": _JSON_OBJECT, "max_tokens": 1}, "max_tokens"),
+}  # fmt: skip
+ISSUE_56: list[tuple[str, str, object, tuple[int, ...]]] = [
+    (f"{name}{how}", path, {**body, **streamed}, (400,))
+    for name, (path, body, _) in _ISSUE_56.items()
+    for how, streamed in (("", {}), (", streamed", {"stream": True}))
+]
+
 # the field each of those names (the error's `param` starts with it: a bound deep in a value names the path)
 PARAMS = {
     **{name: "response_format.json_schema.schema" for name in _SCHEMAS_55},
@@ -164,6 +178,7 @@ PARAMS = {
     "Infinity deep in a message": "messages.0.name",
     "an image part in a system message": "messages.0.content",
     "a canvas scored after a prompt id out of range": "prompt",
+    **{f"{name}{how}": param for name, (_, _, param) in _ISSUE_56.items() for how in ("", ", streamed")},
 }
 
 HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
@@ -322,6 +337,7 @@ HOSTILE: list[tuple[str, str, object, tuple[int, ...]]] = [
     ("an image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, (400,)),
     *ISSUE_40,
     *ISSUE_55,
+    *ISSUE_56,
 ]
 CRAFTED_PATH = '/v1/x"} 1\n# not a metric'  # sent URL-encoded: it must not become a label value
 

@@ -178,7 +178,7 @@ def test_real_gemma3_270m_parity(gemma3_270m):
     project's own source) within fp32 rounding (1e-5 of their scale; bit-equal where measured), and 64
     greedy tokens identical through dgemma's AR decoding."""
     ar, ours, theirs, _ = gemma3_270m
-    source = Path(dgemma.__file__).with_name("generate.py").read_text()
+    source = (Path(dgemma.__file__).parent / "generation" / "loop.py").read_text()
     ids = ar.tokenizer.encode(source[:2000])[:300]
     assert len(ids) == 300
     x = torch.tensor([ids])

@@ -105,7 +105,7 @@ def test_chat_command(ckpt_with_tokenizer, capsys, monkeypatch):
     [
         (["generate", "-m", "/nonexistent", "-p", "x"], "does not exist"),
         (["generate", "-p", "x", "--t-min", "0.9"], "t_min < t_max"),
-        (["generate", "-p", "x", "--max-new-tokens", "100000"], "exceed the model's context"),
+        (["generate", "-p", "x", "--max-new-tokens", "100000"], "fit in the context"),
         (["generate", "-p", "   "], "prompt is empty"),
         (["infill", "--prefix", "a"], "give the prefix"),
     ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from dgemma.editing import _infill_template
+from dgemma.generation.editing import infill_template_of
 from dgemma.tasks import code
 
 
@@ -68,7 +68,7 @@ def test_infill_records_match_the_inference_layout():
         assert r["pinned"] == [0] * middle + [1] * (canvas - middle)
         cut = ids.index(r["prompt_ids"][-1]) + 1
         suffix = ids[cut + middle :]
-        template, _ = _infill_template(middle, suffix, canvas, end)
+        template, _ = infill_template_of(middle, suffix, canvas, end)
         assert r["completion_ids"][middle:] == template[middle:]  # what dgemma.infill pins
 
 

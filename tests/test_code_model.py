@@ -120,7 +120,7 @@ def test_code_eval_baseline_only_runs_without_a_model(tmp_path):
 def test_code_eval_continuations_are_scored_by_the_ar_twin():
     """code_eval's continuation pass: each snippet's tokens are scored by the AR twin (its perplexity of what
     each model wrote); the twin's own greedy tokens are its argmax at every position of that scoring."""
-    from dgemma import calls
+    from dgemma.generation.engine import score
 
     code_eval = _code_eval()
     model, tok = dgemma.load(MODEL_DIR), dgemma.Tokenizer.from_dir(MODEL_DIR)
@@ -130,7 +130,7 @@ def test_code_eval_continuations_are_scored_by_the_ar_twin():
         assert len(parses[name]) == 1 and nll[name][1] == speed[name][0] > 0 and nll[name][0] > 0
     left = tok.encode(prefix, add_special_tokens=False)[-64:]
     greedy = dgemma.generate_ar(model, left, model.config.canvas_length).tokens[0]
-    scored = calls.score(model, left, [list(greedy)], top=1)
+    scored = score(model, left, [list(greedy)], top=1)
     best = torch.tensor([row[0][1] for row in scored.top[0]])
     # each greedy token is the scoring's top choice, up to the summation-order difference of the two paths
     torch.testing.assert_close(scored.logprobs[0], best, rtol=0, atol=1e-4)

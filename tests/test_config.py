@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dgemma import build, preset
-from dgemma.config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
-from dgemma.sizes import count_parameters
+from dgemma.model.config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
+from dgemma.model.sizes import count_parameters
 
 
 def _counted_on_modules(model) -> dict[str, int]:

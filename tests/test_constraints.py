@@ -8,8 +8,8 @@ import torch
 from helpers import load_quiet
 
 from dgemma import fill, generate
-from dgemma.constraints import Allowed, as_allowed
-from dgemma.sampling import canvas_stats, restrict
+from dgemma.generation.loop import Allowed, as_allowed
+from dgemma.generation.sampling import canvas_stats, restrict
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import load_quiet, make_oracle_checkpoint
 
-from dgemma.generate import generate
+from dgemma.generation.programs import generate
 
 ROWS = 2000  # samples per mode
 CANVAS, STEPS, NEW = 4, 6, 8  # two canvases of up to 6 steps

@@ -9,14 +9,9 @@ import torch
 from helpers import load_quiet
 
 from dgemma import edit, fill, infill
-from dgemma.calls import score
-from dgemma.editing import (
-    SCORED_SUFFIX,
-    cut_at_end,
-    end_of_text_ids,
-    infill_template,
-    max_middle_length,
-)
+from dgemma.generation.editing import SCORED_SUFFIX, cut_at_end, infill_template, max_middle_length
+from dgemma.generation.engine import score
+from dgemma.generation.loop import end_of_text_ids
 
 KW = dict(max_denoising_steps=3, seed=0)
 EOS = 1  # the tiny checkpoint's end-of-text token
@@ -173,7 +168,7 @@ def test_text_api_with_tokenizer(model, tmp_path):
 def test_a_middle_too_long_to_see_the_suffix_is_reduced_as_the_server_reduces_it(model):
     """`middle_length` (the server's `max_tokens` with `suffix`) above `infill_limit` is reduced to it: the
     canvas keeps room for the suffix and its end, up to half the canvas; the result says the length used."""
-    from dgemma.editing import infill_limit
+    from dgemma.generation.editing import infill_limit
 
     for suffix in ([6], list(range(40, 52))):
         r = infill(model, [5], suffix, middle_length=99, **KW)

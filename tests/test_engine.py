@@ -21,11 +21,18 @@ import time
 
 import pytest
 import torch
-from helpers import load_quiet
+from helpers import generation_request, load_quiet
 
-from dgemma.calls import WorkCall
-from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
-from dgemma.generate import DoneEvent, DraftEvent, generate
+from dgemma.generation.engine import (
+    DoneEvent,
+    DraftEvent,
+    Engine,
+    EngineRequest,
+    Program,
+    RequestTimeout,
+    WorkCall,
+)
+from dgemma.generation.programs import generate
 
 WAIT = 120  # seconds to wait for an event: a generous bound for a loaded 2-core machine
 
@@ -245,7 +252,7 @@ def test_requests_whose_clients_left_while_they_waited_are_never_prefilled(model
 def test_the_prefill_work_waiting_is_bounded(model):
     """Prompt tokens waiting for their prefill are bounded: beyond `max_queued_tokens` a request is refused
     at once (a 429 on the server); a longer request alone still runs."""
-    from dgemma.engine import QueueFull
+    from dgemma.generation.engine import QueueFull
 
     engine = Engine(model, max_batch=1, max_queue=64, max_queued_tokens=100)
     try:
@@ -280,7 +287,9 @@ def test_prompts_of_one_shape_share_an_encode_pass_and_get_their_own_tokens(mode
     for batched in (False, True):
         engine = Engine(model, max_batch=8, batch_encodes=batched)
         try:
-            bad = generation_request(engine.runner, [3] * 11 + [10**6], dict(seed=9, max_new_tokens=8))  # 12 too
+            bad = generation_request(
+                engine.runner, [3] * 11 + [10**6], dict(seed=9, max_new_tokens=8), check=False
+            )  # 12 too
             submitted = [generation_request(engine.runner, p, dict(kw)) for p, kw in zip(prompts, params, strict=True)]
             for r in [*submitted[:2], bad, *submitted[2:]]:
                 engine.submit(r)
@@ -320,11 +329,11 @@ def test_work_calls_run_beside_the_passes_of_other_requests(model, engine):
     def program(value):
         yield DoneEvent((yield WorkCall(work, (value,))))
 
-    blocked = engine.submit(EngineRequest(program(7)))
+    blocked = engine.submit(EngineRequest(Program(program(7))))
     prompt, params = requests(seed=2)[0]
     plain = engine.submit(generation_request(engine.runner, prompt, dict(params)))
     assert collect(plain).tokens[0] == solo(model, prompt, params)[0]  # done while the work still waits
     gate.set()
     assert collect(blocked) == 7 and threads[0].startswith("dgemma-work")
-    failing = engine.submit(EngineRequest(program(None)))
+    failing = engine.submit(EngineRequest(Program(program(None))))
     assert isinstance(collect(failing), ValueError)

@@ -34,7 +34,7 @@ def test_splits_use_disjoint_seeds(tmp_path):
 
 @pytest.mark.skipif(not (extract.MODEL_DIR / "model.safetensors").is_file(), reason="the model is not shipped")
 def test_the_shipped_model_extracts_held_out_orders():
-    from dgemma.programs import generate_json
+    from dgemma.generation.programs import generate_json
 
     model = dgemma.load(extract.MODEL_DIR, dtype="fp32")
     tok = dgemma.Tokenizer.from_dir(extract.MODEL_DIR)
@@ -62,7 +62,7 @@ def test_the_server_sizes_json_answers_by_a_draft_as_the_python_api_does():
     import openai
     from live_server import KEY, LiveServer
 
-    from dgemma.programs import generate_json
+    from dgemma.generation.programs import generate_json
     from dgemma.server.app import create_app
 
     model = dgemma.load(extract.MODEL_DIR, dtype="fp32")

@@ -10,7 +10,7 @@ from helpers import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_
 import dgemma
 import dgemma.runtime.fast as fast
 from dgemma import Runner, build, preset
-from dgemma.calls import DoneEvent
+from dgemma.generation.engine import DoneEvent
 
 
 @pytest.fixture()
@@ -123,7 +123,7 @@ def test_server_batches_replay_one_graph_per_bucket(model):
     (rows and prefix slots rounded up to powers of two, as graphs are captured per batch size): the
     stacked denoise's logits, padded rows dropped; the prefixes are copied once per change of the batch
     or of a cache, and the buffers grow (their graphs dropped) when a batch needs more."""
-    from dgemma.kv_cache import StackedCache
+    from dgemma.model.kv_cache import StackedCache
     from dgemma.runtime.graphs import GraphedDenoise, bucket
 
     assert [bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8] and bucket(5, 16) == 16
@@ -166,7 +166,9 @@ def test_server_batches_replay_one_graph_per_bucket(model):
 def test_a_graphed_engine_serves_every_batch_from_buckets(model):
     """On a graphed runner the engine stacks even a lone request's cache: each step is a bucket's graph
     (no capture per request), and every request ends as it does on the ordinary runner's engine."""
-    from dgemma.engine import Engine, generation_request
+    from helpers import generation_request
+
+    from dgemma.generation.engine import Engine
 
     settings = dict(max_new_tokens=16, max_denoising_steps=4, stop_token_ids=[])
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
@@ -216,7 +218,7 @@ def test_fast_rms_norm_is_the_reference_norm(dtype, with_scale):
     """fp32 runs torch's fused rms_norm, other dtypes the few-op path: both the reference's values, to a
     few roundings of fp32 (another summation of the mean of squares, rsqrt for pow(-1/2)) and in bf16 to
     one bf16 rounding of that fp32 result."""
-    from dgemma.model import RMSNorm
+    from dgemma.model.model import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(64, 1e-6, with_scale=with_scale)
@@ -368,7 +370,7 @@ def test_compiled_canvas_stats_match_the_eager_pass(model):
     """With `compile`, a step's statistics over a one-chunk vocabulary run compiled: the same argmax (ties
     go to the first index) and, to the rounding of a fused V-term sum, the same entropy, confidence and
     soft embedding. Rows longer than a chunk keep the eager pass, bit for bit."""
-    from dgemma.sampling import canvas_stats
+    from dgemma.generation.sampling import canvas_stats
 
     runner = Runner(model, fast=True, compile=True)
     g = torch.Generator().manual_seed(2)

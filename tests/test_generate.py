@@ -11,8 +11,10 @@ from helpers import load_quiet, make_copy_model
 
 from dgemma import SamplingParams
 from dgemma.ar import generate_ar
-from dgemma.generate import DoneEvent, DraftEvent, TokensEvent, generate, left_pad, stream
-from dgemma.session import Session
+from dgemma.generation.engine import DoneEvent, DraftEvent, TokensEvent
+from dgemma.generation.loop import left_pad
+from dgemma.generation.programs import generate, stream
+from dgemma.generation.session import Session
 
 EOS = 1
 
@@ -273,11 +275,11 @@ def test_bad_prompts(pair):
         generate(model, "hello")
     with pytest.raises(ValueError, match="non-empty"):
         generate(model, [[]])
-    with pytest.raises(ValueError, match="exceed the model's context"):
+    with pytest.raises(ValueError, match=r"max_new_tokens is too large.*fit in the context"):
         generate(model, [5] * 4000, max_new_tokens=200)
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
         generate(model, [5, 600])
-    with pytest.raises(ValueError, match="pinned positions need mode 'fast'"):
+    with pytest.raises(ValueError, match="mode 'exact' has no pinned"):
         generate(model, [5], mode="exact", pins=torch.tensor([[3]]))
     with pytest.raises(ValueError, match="one row"):
         Session(model, 64).generate([[1, 2]])
@@ -295,14 +297,15 @@ def test_the_loop_yields_every_model_pass(pair, mode):
     """Issue 41, step 1: `prepare` runs no model pass; the loop asks for its prompt's encode first and for
     each commit between canvases (EncodeCall), as it asks for denoising, and answering its calls one by one
     gives `generate`'s tokens."""
-    from dgemma.calls import DenoiseCall, EncodeCall, answer
-    from dgemma.generate import prepare
+    from helpers import generate_steps
+
+    from dgemma.generation.engine import DenoiseCall, EncodeCall, answer
     from dgemma.runtime.runner import as_runner
 
     runner = as_runner(pair[1])
     runner = runner.reference if mode == "exact" else runner
     kw = dict(max_new_tokens=20, max_denoising_steps=3, seed=0, mode=mode)  # three canvases of 8
-    loop = prepare(runner, [[2, 5, 6, 7]], **kw)
+    loop = generate_steps(runner, [[2, 5, 6, 7]], **kw)
     calls, reply, result = [], None, None
     while True:
         try:

@@ -19,7 +19,7 @@ from helpers import make_tokenizer
 
 import dgemma
 from dgemma.checkpoints.gguf_file import write
-from dgemma.config import FULL, SLIDING, DiffusionGemmaConfig, TextConfig
+from dgemma.model.config import FULL, SLIDING, DiffusionGemmaConfig, TextConfig
 from dgemma.quant import QuantExperts, QuantLinear, dequantize
 
 gguf = pytest.importorskip("gguf")

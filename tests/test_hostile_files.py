@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from dgemma.checkpoints.from_ar import gemma3_text_config
 from dgemma.checkpoints.gguf_file import _GLOBAL, _LAYER
 from dgemma.cli import main
-from dgemma.config import DiffusionGemmaConfig
-from dgemma.model import build
+from dgemma.model.config import DiffusionGemmaConfig
+from dgemma.model.model import build
 
 CONFIG = dict(model_type="gemma3_text", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,

@@ -31,12 +31,13 @@ from live_server import KEY, LiveServer  # noqa: E402
 from openai.lib._pydantic import to_strict_json_schema  # noqa: E402
 
 import dgemma  # noqa: E402
-from dgemma.programs import generate_json, tool_call  # noqa: E402
+from dgemma.generation.choose import tool_call  # noqa: E402
+from dgemma.generation.programs import generate_json, sizes_of  # noqa: E402
 from dgemma.runtime.cpu import free_cpus  # noqa: E402
 from dgemma.server import answers  # noqa: E402
 from dgemma.server.app import create_app  # noqa: E402
 from dgemma.server.protocol import ApiError  # noqa: E402
-from dgemma.server.served import compile_plans  # noqa: E402
+from dgemma.server.routes import checked  # noqa: E402
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan  # noqa: E402
 from dgemma.structured.plans import JsonPlan, _PlanCache  # noqa: E402
 from dgemma.structured.tokens import compile_deadline  # noqa: E402
@@ -232,11 +233,13 @@ def test_a_compile_is_bounded_in_time(code):
 def test_a_schema_compiles_once(code):
     model, tok = code
     schema = _one({"type": "string", "pattern": r"^[A-Z]{2}-\d{4}$"})
-    assert schema_plan(model, tok, schema) is schema_plan(model, tok, json.loads(json.dumps(schema)))
+    assert schema_plan(sizes_of(model), tok, schema) is schema_plan(
+        sizes_of(model), tok, json.loads(json.dumps(schema))
+    )
     bad = _one({"type": "number", "minimum": 2, "maximum": 1})
     for _ in range(2):  # the refusal is kept too
         with pytest.raises(StructuredOutputError, match="no number lies within"):
-            schema_plan(model, tok, bad)
+            schema_plan(sizes_of(model), tok, bad)
 
 
 def test_the_plan_cache_is_bounded_and_compiles_a_schema_once():
@@ -306,11 +309,14 @@ def test_a_client_that_left_costs_no_compile():
     class Served:
         compiling = asyncio.Semaphore(1)
 
-    def compile_(*_args):
-        raise AssertionError("compiled for a client that left")
+    class Compiles:
+        work = "compile"
+
+        def check(self, *_args):
+            raise AssertionError("compiled for a client that left")
 
     with pytest.raises(ApiError) as e:
-        asyncio.run(compile_plans(Served(), Gone(), compile_, param="response_format"))
+        asyncio.run(checked(Served(), Compiles(), Gone(), {}))
     assert e.value.status == 499
 
 
@@ -381,7 +387,7 @@ def _schemas(draw) -> dict:
 def test_drawn_schemas_are_answered_valid_or_refused_before_any_pass(code, schema, seed):
     model, tok = code
     try:
-        schema_plan(model, tok, schema)  # no model pass: a refusal here is before any
+        schema_plan(sizes_of(model), tok, schema)  # no model pass: a refusal here is before any
     except StructuredOutputError:
         return
     value = _answer(code, schema, seed)  # raises if no valid answer came back

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dgemma import images
+from dgemma.checkpoints.tokenizer import chat_prompt
 
 Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("transformers")
@@ -86,7 +87,7 @@ def test_chat_prompt_cuts_images_as_the_checkpoint_says():
         config = SimpleNamespace(**TINY_IMAGE_IDS, vision_config=vision)
         assert images.geometry(config) == (geometry or {"patch_size": 16, "pooling_kernel_size": 3})
         theirs = _oracle(140, **geometry)(images=[picture], return_tensors="pt")
-        ids, pixels = images.chat_prompt(tok, config, messages, budget=140)
+        ids, pixels = chat_prompt(tok, config, messages, budget=140)
         _same(pixels, [ids.count(TINY_IMAGE_IDS["image_token_id"])], theirs)
         text_ids, text_pixels = images.text_prompt(tok, config, "<|image|> what?", [picture], 140)
         assert torch.equal(text_pixels.values, pixels.values)
@@ -166,7 +167,7 @@ def test_chat_prompt_places_images_as_the_gemma4_processor_does():
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": [{"type": "image", "image": pictures[1]}, {"type": "text", "text": "what?"}]},
     ]
-    ids, pixels = images.chat_prompt(tok, config, messages, budget=70)
+    ids, pixels = chat_prompt(tok, config, messages, budget=70)
     processed = _oracle(70)(images=pictures, return_tensors="pt")
     layout = SimpleNamespace(boi_token=IMAGE_TOKENS[0], image_token=IMAGE_TOKENS[1], eoi_token=IMAGE_TOKENS[2])
     replacements = [Gemma4Processor.replace_image_token(layout, processed, i) for i in range(2)]
@@ -205,12 +206,12 @@ def test_video_frames_are_laid_out_as_the_gemma4_processor_does():
         {"type": "video", "video": frames, "fps": fps},
         {"type": "text", "text": "what happens?"},
     ]
-    ids, pixels = images.chat_prompt(tok, config, [{"role": "user", "content": content}], budget=140)
+    ids, pixels = chat_prompt(tok, config, [{"role": "user", "content": content}], budget=140)
     assert pixels.values.shape[:2] == (4, 9 * 140)  # the image and three frames, padded to the larger budget
     assert ids.count(TINY_IMAGE_IDS["boi_token_id"]) == 4
     assert "00:04" in tok.decode(ids) and theirs.replace(" ", "") in tok.decode(ids).replace(" ", "")
     with pytest.raises(ValueError, match="fps must be"):
-        images.chat_prompt(tok, config, [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 0}]}])
+        chat_prompt(tok, config, [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 0}]}])
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +246,7 @@ def test_a_second_geometry_end_to_end(second_geometry, tmp_path, capsys):
     model, tok = load_quiet(path, dtype="fp32"), dgemma.Tokenizer.from_dir(path)
     pictures = [_picture(160, 90, seed=1), _picture(40, 300, seed=2)]
     content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": "what is this?"}]
-    ids, pixels = images.chat_prompt(tok, model.config, [{"role": "user", "content": content}], budget=70)
+    ids, pixels = chat_prompt(tok, model.config, [{"role": "user", "content": content}], budget=70)
     theirs = _oracle(70, **SECOND)(images=pictures, return_tensors="pt")
     _same(pixels, images.preprocess(pictures, 70, **SECOND)[1], theirs)
     assert ids.count(oracle.config.image_token_id) == sum(theirs["num_soft_tokens_per_image"])
@@ -273,7 +274,7 @@ def test_pixels_cut_for_another_geometry_are_refused_where_they_meet_the_tower(s
     matmul's shape error deep inside."""
     from helpers import TINY_VISION, load_quiet
 
-    from dgemma.vision import Pixels, VisionConfig, VisionTower
+    from dgemma.model.vision import Pixels, VisionConfig, VisionTower
 
     model = load_quiet(second_geometry[0], dtype="fp32")
     picture = _picture(160, 90, seed=3)

@@ -93,13 +93,21 @@ def test_the_package_holds_no_test_helper_and_no_oracle():
     assert not [p for p in PACKAGE.rglob("*.py") if re.search(r"^\s*(from|import) transformers", p.read_text(), re.M)]
 
 
+# Cohesive files allowed past 600 lines (issue 56: a trip is measured in files, so a concern is not split into
+# stops), each with why, and the most it may grow to.
+LONG_FILES = {
+    "generation/programs.py": (800, "every task's meaning: its rules, limits and programs, in one place"),
+    "generation/engine.py": (720, "the calls a program yields and the two drivers that answer them"),
+}
+
+
 def test_no_module_over_600_lines_and_no_function_over_60():
     """The style guide's bounds (one readable file per concern, functions that fit on a screen), checked
-    rather than hoped for."""
+    rather than hoped for; the few cohesive files above 600 lines are named in LONG_FILES."""
     long_files, long_functions = [], []
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
-        if text.count("\n") > 600:
+        if text.count("\n") > LONG_FILES.get(str(path.relative_to(PACKAGE)), (600,))[0]:
             long_files.append(f"{path.relative_to(PACKAGE)}: {text.count(chr(10))}")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:

@@ -8,13 +8,12 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers import load_quiet
+from helpers import generate_steps, load_quiet
 from live_server import KEY
 
 import dgemma
-from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, answer, score
-from dgemma.editing import canvas_logprobs, prompt_logprobs
-from dgemma.generate import prepare
+from dgemma.generation.editing import canvas_logprobs, prompt_logprobs
+from dgemma.generation.engine import DenoiseCall, DoneEvent, EncodeCall, answer, score
 from dgemma.runtime.runner import as_runner
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])
@@ -28,7 +27,7 @@ def model(moe_ckpt):
 def _generate_keeping_last_logits(model, prompt, **kw):
     """Generate one row and keep each canvas's last logits, as the model returned them."""
     runner = as_runner(model)
-    loop = prepare(runner, prompt, **kw)
+    loop = generate_steps(runner, prompt, **kw)
     last, reply, result = [], None, None
     while True:
         try:

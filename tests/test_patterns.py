@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, EmailStr
 
 import dgemma
-from dgemma.programs import generate_json
+from dgemma.generation.programs import generate_json
 from dgemma.structured import StructuredOutputError, compile_schema
 from dgemma.structured.nodes import _Layout, _Read, grammar_state
 from dgemma.structured.plans import _classes

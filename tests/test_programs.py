@@ -1,4 +1,4 @@
-"""Every task is a program of model calls: driven alone (`dgemma.calls.run`, what the library and the CLI
+"""Every task is a program of model calls: driven alone (`dgemma.generation.engine.run`, what the library and the CLI
 do) and on the serving engine (mixed with other requests, a cancelled one and one past its deadline), each
 program gives the same answer. The engine batches denoising passes with other requests, so logits differ
 from a lone run by rounding (tests/test_engine.py): tokens are asserted equal (a few steps per canvas keep
@@ -6,29 +6,28 @@ that with margin), scores from a batched denoising pass to 1e-4 (fp32 rounding o
 
 from __future__ import annotations
 
-import pytest
-from helpers import load_quiet
+import functools
 
-from dgemma.calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, WorkCall, run
+import pytest
+from helpers import generation_request, load_quiet
+
 from dgemma.checkpoints.tokenizer import Tokenizer
-from dgemma.editing import plan_infill
-from dgemma.engine import Engine, EngineRequest, RequestTimeout, generation_request
-from dgemma.generate import GenerationResult, SamplingParams
-from dgemma.programs import (
-    Chosen,
-    ToolCall,
-    choose_program,
-    fill_program,
-    generate_program,
-    infill_program,
-    json_plan,
-    json_program,
-    option_ids,
-    tool_call_program,
-    tool_plans,
+from dgemma.generation.choose import Call, Choose, Chosen, ToolCall
+from dgemma.generation.engine import (
+    DenoiseCall,
+    DoneEvent,
+    EncodeCall,
+    Engine,
+    EngineRequest,
+    RequestTimeout,
+    ScoreCall,
+    WorkCall,
+    run,
 )
+from dgemma.generation.loop import GenerationResult
+from dgemma.generation.programs import Fill, Generate, Infill, Json, JsonResult
+from dgemma.generation.sampling import SamplingParams
 from dgemma.runtime.runner import Runner
-from dgemma.structured import JsonResult
 
 WAIT = 120
 SCHEMA = {
@@ -62,18 +61,21 @@ def programs(model, tok) -> dict:
     prompt = tok.encode("say a b c")
     suffix = tok.encode(" then z", add_special_tokens=False)
     options = ["yes", "no", "maybe so"]
-    return {
-        "generate": lambda r: generate_program(r, [prompt], params(1, max_new_tokens=12)),
-        "fill": lambda r: fill_program(r, [5, None, None, 7, None], prompt, params(2)),
-        "infill, encoder": lambda r: infill_program(r, plan_infill(r, prompt, suffix, "auto"), params(3)),
-        "infill, denoiser": lambda r: infill_program(
-            r, plan_infill(r, prompt, suffix, "auto", length_score="denoiser"), params(4)
-        ),
-        "json": lambda r: json_program(r, json_plan(r, tok, SCHEMA, 0), prompt, params(5), retries=2),
-        "json object": lambda r: json_program(r, json_plan(r, tok, None, 24), prompt, params(6), retries=1),
-        "tool call": lambda r: tool_call_program(r, prompt, tool_plans(r, tok, TOOLS), params(7), tokenizer=tok),
-        "choose": lambda r: choose_program(r, prompt, options, option_ids(model, options, tok)),
+    tasks = {
+        "generate": Generate([prompt], params(1, max_new_tokens=12)),
+        "fill": Fill([5, None, None, 7, None], prompt, params(2)),
+        "infill, encoder": Infill(prompt, suffix, "auto", params(3)),
+        "infill, denoiser": Infill(prompt, suffix, "auto", params(4), "denoiser"),
+        "json": Json(prompt, SCHEMA, tok, params(5), retries=2),
+        "json object": Json(prompt, None, tok, params(6, max_new_tokens=24), retries=1),
+        "tool call": Call(prompt, TOOLS, tok, None, params(7)),
+        "choose": Choose(prompt, options, tok),
     }
+    return {name: functools.partial(_program, task) for name, task in tasks.items()}
+
+
+def _program(task, runner):
+    return task.check(runner.model).program(runner.model, runner.canvas_stats)
 
 
 def outcome(result):
@@ -134,7 +136,7 @@ def test_programs_yield_every_model_pass_and_hold_no_runner(served):
     model, tok = served
     runner = Runner(model)
     seen = []
-    program = programs(model, tok)["infill, denoiser"](runner)
+    program = programs(model, tok)["infill, denoiser"](runner).steps
     reply = None
     while True:
         try:
@@ -144,7 +146,42 @@ def test_programs_yield_every_model_pass_and_hold_no_runner(served):
         reply = item.fn(*item.args) if isinstance(item, WorkCall) else None
         if isinstance(item, DenoiseCall | EncodeCall | ScoreCall):
             seen.append(type(item).__name__)
-            from dgemma.calls import answer
+            from dgemma.generation.engine import answer
 
             reply = answer(runner, item)
     assert seen[0] == "EncodeCall" and seen.count("DenoiseCall") >= 2 and seen[-1] == "DenoiseCall"
+
+
+def test_exact_mode_never_runs_on_the_fast_modules(served, monkeypatch):
+    """Issue 56: a task in mode "exact" on an accelerated runner is answered by the reference modules only
+    (its Program says so, and `drive` reads it), or it is refused by name when it pins or constrains
+    positions (the reference has neither). Choose and Score sample nothing: they have no mode."""
+    import dgemma
+    from dgemma.generation.sampling import RequestError
+
+    model, tok = served
+    runner = dgemma.accelerate(model)
+    assert runner.fast is not None and runner.reference is not runner
+    fast = []
+    for name in ("encode", "denoise"):
+        original = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _o=original, _n=name, **k: (fast.append(_n), _o(*a, **k))[1])
+    prompt = tok.encode("say a b c")
+    exact = params(1, mode="exact", max_new_tokens=12)
+    out = dgemma.generate(runner, [prompt], exact)
+    assert len(out.tokens[0]) > 0 and not fast
+    exact = params(1, mode="exact")
+    refused = {
+        "fill": lambda: dgemma.fill(runner, [5, None, None, 7, None], prompt, exact),
+        "infill": lambda: dgemma.infill(runner, prompt, tok.encode(" z", add_special_tokens=False), 4, exact),
+        "edit": lambda: dgemma.edit(runner, prompt, (1, 2), exact),
+        "json": lambda: dgemma.generate_json(runner, prompt, SCHEMA, exact, tokenizer=tok),
+        "json object": lambda: dgemma.generate_json(runner, prompt, None, exact, tokenizer=tok),
+        "tool call": lambda: dgemma.tool_call(runner, prompt, TOOLS, exact, tokenizer=tok, name="get_weather"),
+        "auto": lambda: dgemma.tool_call(runner, prompt, TOOLS, exact, tokenizer=tok, name="auto"),
+    }
+    for name, ask in refused.items():
+        with pytest.raises(RequestError) as e:
+            ask()
+        assert e.value.param == "mode", name
+    assert not fast

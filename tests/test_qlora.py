@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.model import Experts
+from dgemma.model.model import Experts
 from dgemma.quant import QuantExperts, QuantLinear, dequantize, quantize_model
 from dgemma.train.config import TrainConfig
 from dgemma.train.lora import apply_lora, load_adapter, save_adapter
@@ -224,7 +224,7 @@ def test_checkpointing_recomputes_the_encoder_too_with_the_same_gradients(monkey
     pass keeps a layer's activations. The recomputation repeats the same ops on the same inputs, so the
     gradients are the same (compared to rounding, 1e-6 of their scale, not to the bit: BLAS may thread a
     recomputed matmul differently)."""
-    from dgemma.model import DecoderLayer
+    from dgemma.model.model import DecoderLayer
 
     base = dgemma.build(dgemma.preset("tiny"), seed=0)
     calls = {"n": 0}

@@ -92,7 +92,7 @@ def test_json_answers_are_one_program_everywhere(server, model_dir, capsys, tmp_
 def test_required_tool_calls_are_one_program_everywhere(server, model_dir, capsys, tmp_path):
     """tool_choice "required" (server), --tools --tool-choice required (CLI) and dgemma.tool_call (API): the
     function the model scores best, its arguments filled by the same JSON program."""
-    from dgemma.images import chat_prompt
+    from dgemma import chat_prompt
 
     tok = Tokenizer.from_dir(model_dir)
     model = load_quiet(model_dir)
@@ -110,7 +110,7 @@ def test_required_tool_calls_are_one_program_everywhere(server, model_dir, capsy
     cli = _cli(capsys, *argv, "--tool-choice", "auto")
     body = {"messages": [{"role": "user", "content": PROMPT}], "tools": TOOLS, **SHAPED}
     served = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
-    if isinstance(api, dgemma.programs.ToolCall):
+    if isinstance(api, dgemma.generation.choose.ToolCall):
         assert api.name == cli["tool_call"]["name"] == served["tool_calls"][0]["function"]["name"]
     else:
         assert api.text[0] == cli["text"] == served["content"] and cli["tool_call"] is None

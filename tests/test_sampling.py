@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgemma.sampling import (
+from dgemma.generation.sampling import (
     CanvasStats,
     ConfidenceThreshold,
     EntropyBound,

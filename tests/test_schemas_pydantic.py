@@ -16,9 +16,9 @@ import torch
 from pydantic import BaseModel
 
 import dgemma
-from dgemma.calls import Scores, WorkCall
-from dgemma.generate import context_room
-from dgemma.programs import choose_branches, generate_json
+from dgemma.generation.engine import Scores, WorkCall
+from dgemma.generation.loop import context_room
+from dgemma.generation.programs import choose_branches, generate_json, sizes_of
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
 from dgemma.structured.nodes import MISSING, completed
 from dgemma.structured.schema import build
@@ -130,7 +130,7 @@ def test_a_union_no_draft_chose_takes_the_branch_the_model_scores_best(code):
     known, in the syntax the answer is written in (tool calls: bare keys, sorted)."""
     model, tok = code
     schema, asked = Order.model_json_schema(), []
-    plan = schema_plan(model, tok, schema)
+    plan = schema_plan(sizes_of(model), tok, schema)
     assert {path for path, _ in plan.open} >= {("pet",), ("note",), ("count",), ("address", "zip")}
 
     def last_branch(prompt, options):
@@ -149,13 +149,15 @@ def test_a_union_no_draft_chose_takes_the_branch_the_model_scores_best(code):
     nested = {
         "anyOf": [{"type": "null"}, {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}]
     }
-    plan, asked = schema_plan(model, tok, nested), []
+    plan, asked = schema_plan(sizes_of(model), tok, nested), []
     chosen = _drive(choose_branches(plan, plan, [1], None, None), last_branch)
     assert len(asked) > 1 and not chosen.open  # the outer array, then its items (asked together)
     for size in ("draft", "schema"):  # a union at the top whose shortest answer is null is not a fixed answer
         out = generate_json(model, "x = ", {"anyOf": [{"type": "string"}, {"type": "null"}]}, tokenizer=tok, size=size)
         assert out.value is None or isinstance(out.value, str)
-    call = tool_call_plan(model, tok, "f", {"type": "object", "properties": {"b": {"type": ["string", "null"]}}})
+    call = tool_call_plan(
+        sizes_of(model), tok, "f", {"type": "object", "properties": {"b": {"type": ["string", "null"]}}}
+    )
     (path, before, options) = call.branch_requests()[0]
     assert path == ("b",) and tok.decode(before).endswith("call:f{b:") and len(options) == 2
 
@@ -229,7 +231,9 @@ def test_without_max_new_tokens_the_bound_is_what_the_context_leaves(code):
         "name": MISSING,
         "children": [{"name": "a", "children": []}],
     }
-    with pytest.raises(ValueError, match=r"the shortest valid answer takes \d+ tokens, but the context leaves 0"):
+    with pytest.raises(
+        ValueError, match=r"the shortest valid answer takes \d+ tokens, but with a prompt of \d+ tokens at most 0 fit"
+    ):
         generate_json(model, prompt * 3, {"type": "object", "properties": {"a": {"type": "string"}}}, tokenizer=tok)
 
 

@@ -54,7 +54,7 @@ def test_an_image_url_part_gives_the_python_api_tokens(vision):
     live, path = vision
     from PIL import Image
 
-    from dgemma.images import chat_prompt
+    from dgemma.checkpoints.tokenizer import chat_prompt
 
     a, b = _png(100, 60, 1), _png(30, 200, 2)
     client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -131,6 +131,16 @@ def test_an_image_for_a_model_without_images_is_a_400(server):
     assert r.status_code == 400, r.text  # its tokenizer has no image tokens
 
 
+def test_a_score_of_a_prompt_holding_an_image_marker_names_the_prompt(vision):
+    """Issue 56: the Score task refuses image placeholders in its prompt (a score takes no images) before any
+    pass, naming `prompt` (it named `canvas`, after the pass failed)."""
+    server, path = vision
+    image = dgemma.load(path).config.image_token_id
+    body = {"prompt": [5, image, 6], "canvas": [1]}
+    r = httpx.post(server.url + "/v1/canvas/score", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 @pytest.fixture(scope="module")
 def second_geometry(tmp_path_factory):
     """A live server on a tiny checkpoint whose tower cuts 14-pixel patches pooled 2 x 2, and its path."""
@@ -156,7 +166,7 @@ def test_an_image_for_a_checkpoint_of_another_geometry(second_geometry):
     the Python API's prompt and tokens."""
     from PIL import Image
 
-    from dgemma.images import chat_prompt
+    from dgemma.checkpoints.tokenizer import chat_prompt
 
     live, path = second_geometry
     a = _png(100, 60, 1)
@@ -346,8 +356,8 @@ def test_answers_shaped_by_the_models_scores_see_the_images(vision):
     live, path = vision
     from PIL import Image
 
-    from dgemma.calls import ScoreCall, answer
-    from dgemma.images import chat_prompt
+    from dgemma.checkpoints.tokenizer import chat_prompt
+    from dgemma.generation.engine import ScoreCall, answer
     from dgemma.runtime.runner import as_runner
 
     schema = {

@@ -1,4 +1,4 @@
-"""The sampling settings are defined once (dgemma.settings): everything that takes them is generated from
+"""The sampling settings are defined once (dgemma.generation.sampling): everything that takes them is generated from
 their fields or checked against them here, so a new setting cannot be half-added."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dgemma.config import GenerationConfig
-from dgemma.sampling import SAMPLERS
-from dgemma.settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams, check, validate
+from dgemma.generation.sampling import CHECKPOINT_DEFAULTED, SAMPLERS, SETTINGS, SamplingParams, check, validate
+from dgemma.model.config import GenerationConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

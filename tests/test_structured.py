@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 import dgemma
-from dgemma.programs import generate_json, read_answer
+from dgemma.generation.loop import end_of_text_ids
+from dgemma.generation.programs import generate_json, read_answer, sizes_of
 from dgemma.structured import StructuredOutputError, compile_schema
 from dgemma.structured.nodes import _Choice, _Layout, _Read
 from dgemma.tasks.code import MODEL_DIR
@@ -118,7 +119,7 @@ def test_the_encoder_scores_pick_the_likeliest_option(code):
     tokens = [t if t is not None else filler for t in plan.template]
     value, error = read_answer(model, plan, prompt, tokens)
     assert error is None
-    from dgemma.calls import score
+    from dgemma.generation.engine import score
 
     context = prompt + tokens[: choice.span.start]
     after = [t for t in plan.template[choice.span.stop :] if t is not None][:1]
@@ -188,8 +189,7 @@ def test_cli_json_schema(code, tmp_path, capsys):
 
 def test_choose_scores_each_option_as_the_whole_answer(code):
     model, tok = code
-    from dgemma.calls import score
-    from dgemma.editing import end_of_text_ids
+    from dgemma.generation.engine import score
 
     prompt = tok.encode("def add(a, b):\n    return a", add_special_tokens=False)
     options = [" + b", " - b", " banana"]
@@ -208,7 +208,7 @@ def test_choose_scores_each_option_as_the_whole_answer(code):
 
 def test_the_same_schema_decoded_left_to_right_validates_too(code):
     model, tok = code
-    from dgemma.structured import decode_grammar, generate_json_ar
+    from dgemma.ar import decode_grammar, generate_json_ar
 
     prompt = "# a person\nperson = "
     out = generate_json_ar(model, prompt, PERSON, tokenizer=tok)
@@ -279,7 +279,7 @@ def test_a_draft_sizes_the_template_as_the_tokenizer_splits_the_answer():
     if not (extract.MODEL_DIR / "model.safetensors").is_file():
         pytest.skip("the extraction model is not shipped")
     model, tok = dgemma.load(extract.MODEL_DIR, dtype="fp32"), dgemma.Tokenizer.from_dir(extract.MODEL_DIR)
-    base = schema_plan(model, tok, extract.SCHEMA)
+    base = schema_plan(sizes_of(model), tok, extract.SCHEMA)
     for seed in range(20):
         answer = extract.answer(extract.example(seed)[1])
         plan = base.resize(f"some text {answer} and more")  # the draft's first object sizes the holes
@@ -315,7 +315,9 @@ def test_a_broken_draft_still_sizes_the_values_it_holds(code):
 
     model, tok = code
     schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
-    plan = schema_plan(model, tok, schema).resize('{"a":"xyz", "b": 42 oops')  # not an object: read key by key
+    plan = schema_plan(sizes_of(model), tok, schema).resize(
+        '{"a":"xyz", "b": 42 oops'
+    )  # not an object: read key by key
     a, b = (n for _, n in plan.root.properties)
     assert a.length == len(tok.encode("xyz", add_special_tokens=False)) and b.shape is not None
     with pytest.raises(ValueError, match="size"):

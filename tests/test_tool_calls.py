@@ -14,6 +14,7 @@ from helpers import TEMPLATE_PATH
 from live_server import KEY
 
 from dgemma.checkpoints.tokenizer import compile_chat_template
+from dgemma.generation.programs import sizes_of
 from dgemma.tool_calls import Unparsed, call_text, parse_arguments, parse_tool_calls
 
 Q = '<|"|>'
@@ -183,11 +184,11 @@ def test_a_drafted_call_sizes_the_arguments_in_the_call_syntax(model_dir):
     from helpers import load_quiet
 
     from dgemma.checkpoints.tokenizer import Tokenizer
-    from dgemma.programs import read_answer
+    from dgemma.generation.programs import read_answer
     from dgemma.structured import tool_call_plan
 
     model, tok = load_quiet(model_dir), Tokenizer.from_dir(model_dir)
-    plan = tool_call_plan(model, tok, "get_weather", WEATHER["function"]["parameters"])
+    plan = tool_call_plan(sizes_of(model), tok, "get_weather", WEATHER["function"]["parameters"])
     arguments = {"city": "Oslo", "days": 3, "unit": "f"}
     drafted = plan.resize("Let me look. " + call_text("get_weather", arguments))
     city, unit, days = (node for _, node in drafted.root.properties)
@@ -260,7 +261,8 @@ def test_a_conversation_with_tool_results_goes_on(client):
         },
         {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
     ]
-    r = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=4, extra_body=FAST)
+    # tool_choice "auto" (the default with tools): max_tokens must hold the shortest call (issue 56: else a 400)
+    r = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=96, extra_body=FAST)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -307,9 +309,9 @@ def test_auto_is_the_models_choice_between_a_call_and_text(model_dir, calls):
     from helpers import load_quiet
 
     import dgemma
-    from dgemma.calls import MODEL_CALLS, DoneEvent, ScoreCall, Scores, answer
-    from dgemma.generate import GenerationResult
-    from dgemma.programs import ToolCall, auto_program, tool_plans
+    from dgemma.generation.choose import Auto, ToolCall
+    from dgemma.generation.engine import MODEL_CALLS, DoneEvent, ScoreCall, Scores, answer
+    from dgemma.generation.loop import GenerationResult
     from dgemma.runtime.runner import as_runner
     from dgemma.tool_calls import CALL_OPEN
 
@@ -317,7 +319,8 @@ def test_auto_is_the_models_choice_between_a_call_and_text(model_dir, calls):
     opening = tok.encode(CALL_OPEN, add_special_tokens=False)[0]
     first = opening if calls else (opening + 1) % runner.text_config.vocab_size
     prompt = tok.encode("Weather in Paris?")
-    program = auto_program(runner, prompt, tool_plans(runner, tok, [WEATHER]), tokenizer=tok, seed=0, **FAST)
+    task = Auto(prompt, [WEATHER], tok, None, dgemma.SamplingParams(seed=0, **FAST)).check(runner.model)
+    program = task.program(runner.model, runner.canvas_stats).steps
     reply, result = None, None
     while result is None:
         item = program.send(reply)
@@ -341,11 +344,11 @@ def test_auto_on_the_server_and_in_the_library_agree(client, model_dir):
 
     import dgemma
     from dgemma.checkpoints.tokenizer import Tokenizer
-    from dgemma.programs import ToolCall
+    from dgemma.generation.choose import ToolCall
 
     tok = Tokenizer.from_dir(model_dir)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    prompt, _ = dgemma.images.chat_prompt(tok, load_quiet(model_dir).config, messages, tools=[WEATHER])
+    prompt, _ = dgemma.chat_prompt(tok, load_quiet(model_dir).config, messages, tools=[WEATHER])
     out = dgemma.tool_call(load_quiet(model_dir), prompt, [WEATHER], tokenizer=tok, name="auto", seed=4, **FAST)
     served = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], seed=4, extra_body=FAST)
     message = served.choices[0].message

@@ -7,8 +7,8 @@ import torch
 from helpers import fp32_logit_tolerance, fp32_tolerance, load_quiet
 
 from dgemma import build, preset
-from dgemma.config import FULL, SLIDING
-from dgemma.model import Router, embed_scale, rope_inv_freq
+from dgemma.model.config import FULL, SLIDING
+from dgemma.model.model import Router, embed_scale, rope_inv_freq
 
 
 @pytest.fixture(scope="module")

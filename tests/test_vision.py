@@ -21,7 +21,7 @@ from helpers import (
 )
 
 import dgemma
-from dgemma.generate import left_pad
+from dgemma.generation.loop import left_pad
 from dgemma.runtime.runner import as_runner
 
 pytest.importorskip("transformers")
@@ -285,8 +285,9 @@ def test_fast_generation_commits_a_placeholder_and_goes_on(pair, tower, name):
 def test_an_engine_batch_goes_on_when_a_canvas_draws_the_placeholder(pair):
     """In a served batch, the request whose canvas holds the placeholder commits it, and the request beside
     it gets the tokens it gets alone."""
-    from dgemma.engine import Engine, generation_request
-    from dgemma.generate import DoneEvent
+    from helpers import generation_request
+
+    from dgemma.generation.engine import DoneEvent, Engine
 
     _, model = pair
     c = model.config.canvas_length
@@ -383,8 +384,8 @@ def test_generate_takes_images_from_the_command_line_and_the_api(vision_dir, tmp
     messages with image parts (images before the text, in the user's turn)."""
     import json
 
+    from dgemma.checkpoints.tokenizer import chat_prompt
     from dgemma.cli import main
-    from dgemma.images import chat_prompt
 
     a, b = _png(tmp_path / "a.png", 120, 80, 1), _png(tmp_path / "b.png", 40, 200, 2)
     flags = ["--max-new-tokens", "6", "--max-denoising-steps", "3", "--seed", "4", "--max-soft-tokens", "70"]
@@ -423,9 +424,9 @@ def test_chat_with_an_image_keeps_it_across_turns(vision_dir, tmp_path, monkeypa
     session that rebuilds its cache runs the image again from the pixels it kept."""
     import json
 
+    from dgemma.checkpoints.tokenizer import chat_prompt
     from dgemma.cli import main
-    from dgemma.images import chat_prompt
-    from dgemma.session import Session
+    from dgemma.generation.session import Session
 
     a = _png(tmp_path / "a.png", 90, 60, 3)
     lines = iter(["what is it?", "and now?", ""])
@@ -450,7 +451,7 @@ def test_frames_padded_beside_a_larger_image_keep_their_soft_tokens(pair):
     from PIL import Image
 
     from dgemma.images import preprocess
-    from dgemma.vision import Pixels
+    from dgemma.model.vision import Pixels
 
     _, model = pair
     g = torch.Generator().manual_seed(2)

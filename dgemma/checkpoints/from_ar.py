@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig, check_types
-from ..model import DiffusionGemma, build
+from ..model.config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig, check_types
+from ..model.model import DiffusionGemma, build
 from .checks import check_counts, check_shapes, check_values, json_object, layer_count, number_field, shown, size_field
 from .gguf_file import (
     decoded_tensor,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
+from ..model.config import FULL, SLIDING, DiffusionGemmaConfig, GenerationConfig, TextConfig
 from ..quant import QuantSpec
 from ..quant.formats import pack_nibbles
 from .checks import check_counts, layer_count, number_field, shown, size_field

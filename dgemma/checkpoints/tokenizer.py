@@ -21,6 +21,17 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ..images import (
+    DEFAULT_BUDGET,
+    VIDEO_FRAME_BUDGET,
+    VIDEO_MARKER,
+    expand_image_tokens,
+    frames_text,
+    geometry,
+    image_token_strings,
+    preprocess,
+)
+from ..model.vision import Pixels
 from .gguf_file import gguf_path, read_tokenizer
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -309,14 +320,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat (the template writes any BOS itself, so none is added). Messages
-        with images go through dgemma.images.chat_prompt, which returns their pixels too."""
+        with images go through chat_prompt (below), which returns their pixels too."""
         for i, m in enumerate(messages if isinstance(messages, list) else []):
             parts = m.get("content") if isinstance(m, dict) else None
             if isinstance(parts, list) and any(
                 isinstance(p, dict) and p.get("type") in ("image", "video") for p in parts
             ):
                 raise ValueError(
-                    f"message {i} has an image or video: use dgemma.images.chat_prompt(tokenizer, model.config, "
+                    f"message {i} has an image or video: use dgemma.chat_prompt(tokenizer, model.config, "
                     "messages), which gives the token ids and the images' pixels"
                 )
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
@@ -339,6 +350,63 @@ SPECIAL_TOKENS = [
 ]  # ids 0..9, as Gemma 4 lays its specials out
 IMAGE_TOKENS = ("<|image>", "<|image|>", "<image|>")  # dgemma.images.GEMMA4_IMAGE_TOKENS
 TEMPLATE_PATH = Path(__file__).parent.parent / "templates" / "gemma4_chat.jinja"
+
+
+# ------------------------------------------------------------------------------------------------
+# Chat messages with images and videos: their placeholders expanded (dgemma/images.py preprocesses)
+
+
+def media_of(messages: list[dict]) -> list[tuple[str, object, float | None]]:
+    """The images and videos of chat messages in order: ("image", source, None) for every
+    {"type": "image", "image": ...} part, ("video", [frames...], fps) for every
+    {"type": "video", "video": [frame, ...], "fps": 1.0} part (frames are images)."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                if part.get("image") is None:
+                    raise ValueError(f"message {i} part {j}: an image part needs an 'image' (path, bytes or PIL image)")
+                found.append(("image", part["image"], None))
+            elif kind == "video":
+                frames, fps = part.get("video"), part.get("fps", 1.0)
+                if not isinstance(frames, list | tuple) or not frames:
+                    raise ValueError(f"message {i} part {j}: a video part needs 'video', a non-empty list of frames")
+                if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 60:
+                    raise ValueError(f"message {i} part {j}: fps must be a number in (0, 60] (got {fps!r})")
+                found.append(("video", list(frames), float(fps)))
+    return found
+
+
+def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
+    """Token ids of chat messages rendered by the checkpoint's template, image and video parts included,
+    and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET, both cut as
+    the checkpoint's vision_config says."""
+    found = media_of(messages)
+    text = tokenizer.render_chat(messages, **template_kwargs)
+    if not found:
+        return tokenizer.encode(text, add_special_tokens=False), None
+    tokens = image_token_strings(tokenizer, config)
+    cut = geometry(config)
+    groups, pieces = [], []
+    rest = text
+    for kind, source, fps in found:
+        marker = tokens[1] if kind == "image" else VIDEO_MARKER
+        head, sep, rest = rest.partition(marker)
+        if not sep:
+            raise ValueError(f"the chat template wrote fewer {kind} tokens than the messages have {kind}s")
+        if kind == "image":
+            pixels, counts = preprocess([source], budget, **cut)
+            pieces += [head, expand_image_tokens(marker, counts, tokens)]
+        else:
+            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame", **cut)
+            pieces += [head, frames_text(counts, fps, tokens)]
+        groups.append(pixels)
+    if tokens[1] in rest or VIDEO_MARKER in rest:
+        raise ValueError("the prompt has more image or video tokens than the messages have images and videos")
+    ids = tokenizer.encode("".join(pieces) + rest, add_special_tokens=False)  # the template wrote BOS
+    return ids, Pixels.cat(groups)
 
 
 def train_bpe(corpus: list[str], vocab_size: int, *, images: bool = False) -> Tokenizer:

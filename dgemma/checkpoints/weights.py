@@ -8,7 +8,7 @@ A checkpoint directory holds `config.json`, optionally `generation_config.json`,
     model.encoder.language_model.layers.N.layer_scalar -> layers.N.encoder_layer_scalar
     model.encoder.language_model.<name>               -> a tied copy of model.decoder.<name> (checked equal)
     lm_head.weight                                    -> tied to embed_tokens.weight (checked equal)
-    model.encoder.vision_tower.* / embed_vision.*     -> vision_tower.* / embed_vision.* (dgemma/vision.py)
+    model.encoder.vision_tower.* / embed_vision.*     -> vision_tower.* / embed_vision.* (dgemma/model/vision.py)
 
 transformers stores each tied tensor once (under the decoder's name); other writers may store both
 sides in full. Both layouts load. `save` writes the transformers layout, which transformers loads too.
@@ -30,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from ..config import DiffusionGemmaConfig, GenerationConfig
-from ..model import DiffusionGemma, Experts
+from ..model.config import DiffusionGemmaConfig, GenerationConfig
+from ..model.model import DiffusionGemma, Experts
 from ..quant import (
     QuantSpec,
     Spec,

@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 
 from .. import __version__
-from ..config import DiffusionGemmaConfig, GenerationConfig
-from ..presets import PRESETS, preset
-from ..sizes import count_parameters, human_count
+from ..model.config import DiffusionGemmaConfig, GenerationConfig
+from ..model.presets import PRESETS, preset
+from ..model.sizes import count_parameters, human_count
 from .common import add_model_option
 
 

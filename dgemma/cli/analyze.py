@@ -65,7 +65,7 @@ def _test_files() -> list[str]:
 def code_cases(model, tok, n: int, seed: int, infill: bool) -> list[Case]:
     """Held-out files cut at a line start: a continuation of `context` tokens, or (infill) 2-6 lines cut
     out and filled at their true length between the prefix and the suffix."""
-    from ..editing import infill_template, max_middle_length
+    from ..generation.editing import infill_template, max_middle_length
 
     rng, files, canvas = random.Random(seed), _test_files(), model.config.canvas_length
     cases = []
@@ -143,7 +143,7 @@ def run_traces(runner, tok, cases: list[Case], settings: dict, progress: bool):
     """A trace per case, with a progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ..editing import template_pins
+    from ..generation.editing import template_pins
     from ..tracing import trace
 
     traces = []

@@ -1,5 +1,5 @@
 """`dgemma generate`'s answers of a given shape, each the program the library and the server run
-(dgemma/programs.py): `--json-schema` (generate_json), `--tools` with `--tool-choice` (tool_call),
+(dgemma/generation/programs.py): `--json-schema` (generate_json), `--tools` with `--tool-choice` (tool_call),
 `--choices` (choose), with the server's names and the library's `retries`."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ..generate import GenerationResult
-from ..programs import MAX_RETRIES, choose, generate_json, tool_call
+from ..generation.choose import choose, tool_call
+from ..generation.loop import GenerationResult
+from ..generation.programs import MAX_RETRIES, generate_json
 from ..structured import DEFAULT_RETRIES
 from .common import read_text, sampling_overrides
 

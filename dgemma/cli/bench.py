@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from ..presets import PRESETS
+    from ..model.presets import PRESETS
     from .common import add_model_args, add_old_name, positive_int
 
     s = sub.add_parser(

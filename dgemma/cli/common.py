@@ -205,8 +205,8 @@ def write_checkpoint(model, out: Path, args: argparse.Namespace, source: Path, i
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """A flag for each sampling setting (dgemma.settings: generation_config.json's names, help, choices)."""
-    from ..settings import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
+    """A flag for each sampling setting (dgemma.generation.sampling: generation_config.json's names, help, choices)."""
+    from ..generation.sampling import CHECKPOINT_DEFAULTED, SETTINGS, SamplingParams
 
     defaults = SamplingParams()
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
@@ -222,7 +222,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
     """The keyword arguments of dgemma.generate / stream / infill that the sampling flags set."""
-    from ..settings import SETTINGS
+    from ..generation.sampling import SETTINGS
 
     return {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
 

@@ -68,7 +68,7 @@ class Screen:
 
 def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16, 32)):
     """Drive a generation stream; redraw `render(event)` live, or print a few snapshots as plain text."""
-    from ..generate import DoneEvent, DraftEvent
+    from ..generation.engine import DoneEvent, DraftEvent
 
     result = None
     if screen.live:
@@ -93,7 +93,7 @@ def _stream_view(screen: Screen, render, events, snapshot_steps=(1, 2, 4, 8, 16,
 def _code_part(screen: Screen, runner, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from ..generate import stream
+    from ..generation.programs import stream
 
     screen.title("1. A canvas of random tokens denoised into code")
     screen.print(Text(GENERATE_PROMPT, style="bold"), end="")
@@ -121,7 +121,7 @@ def _warm_up(runner, tok) -> None:
     """One untimed step and one AR token first, so that neither the first part nor the AR row carries the
     one-time costs of a first call (allocations, the BLAS's setup)."""
     from ..ar import generate_ar
-    from ..generate import generate
+    from ..generation.programs import generate
 
     prompt = tok.encode(GENERATE_PROMPT)
     generate(runner, prompt, max_new_tokens=runner.model.config.canvas_length, max_denoising_steps=1, seed=0)
@@ -143,7 +143,7 @@ def _ar_part(runner, tok, tokens: int) -> Part:
 def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from ..programs import infill
+    from ..generation.programs import infill
 
     screen.title("2. Infilling: the middle, with both sides in view")
     screen.print(Text(INFILL_PREFIX) + Text("<fill>", style="reverse") + Text(INFILL_SUFFIX), end="")
@@ -160,7 +160,7 @@ def _infill_part(screen: Screen, model, tok, seed: int) -> Part:
 def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
     from rich.text import Text
 
-    from ..programs import edit
+    from ..generation.programs import edit
 
     screen.title("3. Editing: one span rewritten, the rest kept")
     before, span, after = (tok.encode(x, add_special_tokens=False) for x in (EDIT_BEFORE, EDIT_SPAN, EDIT_AFTER))
@@ -178,7 +178,7 @@ def _edit_part(screen: Screen, model, tok, seed: int) -> Part:
 def _sudoku_part(screen: Screen, model_dir: Path | None, seed: int, quant=None, group_size: int = 64) -> Part:
     import torch
 
-    from ..generate import stream
+    from ..generation.programs import stream
     from ..tasks import sudoku
     from .tasks import grid_text
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import GenerationConfig
+from ..model.config import GenerationConfig
 from .answers import add_answer_args, answer_shaped, check_answer_args, read_tools
 from .common import (
     add_model_args,
@@ -97,7 +97,7 @@ class CanvasView:
 
 def run_stream(events, tokenizer, args, printer: TextPrinter):
     """Drive a generation stream: print final text as it comes (or show the canvas); return the result."""
-    from ..generate import DoneEvent, DraftEvent, TokensEvent
+    from ..generation.engine import DoneEvent, DraftEvent, TokensEvent
 
     view = CanvasView(tokenizer) if args.show_canvas else None
     result = None
@@ -154,6 +154,7 @@ def _prompt_ids(tokenizer, text: str, args, config=None, tools=None) -> tuple[li
     """The prompt's token ids, and the Pixels of its --image files (None without): images go before the
     text, in the user's turn (or, with --raw, as image tokens before the text)."""
     from .. import images
+    from ..checkpoints.tokenizer import chat_prompt
 
     pictures = list(getattr(args, "image", None) or [])
     budget = getattr(args, "max_soft_tokens", images.DEFAULT_BUDGET)
@@ -172,7 +173,7 @@ def _prompt_ids(tokenizer, text: str, args, config=None, tools=None) -> tuple[li
         {"role": "user", "content": content if pictures else text}
     ]
     thinking = True if args.reasoning else None
-    return images.chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking, tools=tools)
+    return chat_prompt(tokenizer, config, messages, budget, enable_thinking=thinking, tools=tools)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -219,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a reply to one prompt."""
     from ..ar import stream_ar
     from ..checkpoints.tokenizer import check_unicode
-    from ..generate import stream
+    from ..generation.programs import stream
 
     if args.prompt is None or args.prompt == "-":
         text = read_text("-", "the prompt")
@@ -271,12 +272,12 @@ def _check_vision(args, model) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat in the terminal; the KV cache is reused across turns."""
-    from ..session import Session
+    from ..generation.session import Session
 
     runner, tokenizer = load_model_and_tokenizer(args)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template (chat_template.jinja); use `dgemma generate --raw`")
-    from ..images import chat_prompt
+    from ..checkpoints.tokenizer import chat_prompt
 
     _check_vision(args, runner.model)
     session = Session(runner, max_length=args.max_context, tokenizer=tokenizer)
@@ -312,7 +313,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_infill(args: argparse.Namespace) -> int:
     """Fill the middle between a prefix and a suffix."""
     from ..checkpoints.tokenizer import check_unicode
-    from ..programs import infill
+    from ..generation.programs import infill
 
     prefix = read_text(args.prefix_file, "--prefix-file") if args.prefix_file else args.prefix
     suffix = read_text(args.suffix_file, "--suffix-file") if args.suffix_file else args.suffix
@@ -325,9 +326,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     runner, tokenizer = load_model_and_tokenizer(args)
     length = args.middle_length
     middle_length = "auto" if length == "auto" else int(length)
-    overrides = sampling_overrides(args)
-    for name in ("early_commit", "early_commit_steps", "early_commit_entropy"):  # a middle is never streamed
-        overrides.pop(name)
+    overrides = sampling_overrides(args)  # a middle is never streamed: the task has no early commit
     result = infill(
         runner, prefix, suffix, middle_length, tokenizer=tokenizer, length_score=args.length_score, **overrides
     )

@@ -55,7 +55,7 @@ def _live_grid(tokenizer, puzzle: str):
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     """Solve one Sudoku puzzle with the model and print the grid (or JSON)."""
-    from ..generate import DraftEvent
+    from ..generation.engine import DraftEvent
     from ..tasks import sudoku
 
     puzzle = _read_puzzle(args)

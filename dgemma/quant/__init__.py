@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..model import DiffusionGemma, Experts
+from ..model.model import DiffusionGemma, Experts
 from .formats import MODES, Quantized, QuantSpec, check_mode, dequantize, quantize
 from .modules import QuantExperts, QuantLinear, use_kernels
 

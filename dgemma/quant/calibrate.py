@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..model import DiffusionGemma
-from ..sampling import random_tokens
+from ..generation.sampling import random_tokens
+from ..model.model import DiffusionGemma
 from .modules import QuantExperts, QuantLinear
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import Experts, gelu_tanh
-from ..moe import experts_by_expert
+from ..model.model import Experts, gelu_tanh
+from ..model.moe import experts_by_expert
 from .formats import Quantized, QuantSpec, dequantize, quantized_buffers
 from .kernels import KERNELS, native_fp4, quantized_matmul
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
-from ..moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
+from ..generation.sampling import chunk_columns
+from ..model.model import DiffusionGemma, Experts, LMHead, RMSNorm, gelu_tanh
+from ..model.moe import combine_slots, experts_by_expert, grouped_mm, has_grouped_mm, sort_by_expert
 from ..quant import QuantExperts, dequantize, use_kernels
-from ..sampling import chunk_columns
 from .cpu import int8_matmuls
 
 # Run all experts densely when that adds fewer than this many multiply-adds over the routed computation.

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import FULL, SLIDING
-from ..kv_cache import KVCache, StackedCache, canvas_mask
-from ..model import DiffusionGemma
+from ..model.config import FULL, SLIDING
+from ..model.kv_cache import KVCache, StackedCache, canvas_mask
+from ..model.model import DiffusionGemma
 
 
 class StaticCacheView:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import DenoiseCache, KVCache
-from ..model import DiffusionGemma, EncodeOutput
-from ..sampling import CanvasStats, canvas_stats, chunk_columns
+from ..generation.sampling import CanvasStats, canvas_stats, chunk_columns
+from ..model.kv_cache import DenoiseCache, KVCache
+from ..model.model import DiffusionGemma, EncodeOutput
 from .cpu import reuse_freed_memory
 from .fast import capturable, fast_twin
 from .graphs import GraphedDenoise

@@ -1,4 +1,4 @@
-"""The answers of the generation routes, from the pieces their choices give (server/choices.py): SSE
+"""The answers of the generation routes, from the pieces their choices give (server/runs.py): SSE
 chunks as they come, or one JSON body; chat messages (tool calls read out of the text), completion texts
 (echo, logprobs), usage, and each choice's `dgemma` details."""
 
@@ -13,7 +13,7 @@ from ..tool_calls import CALL_OPEN
 from . import logprobs as logprob_blocks
 from .output import extract_tool_calls, new_id
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .served import Served
+from .runs import Served
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -161,7 +161,7 @@ async def event_stream(
     yield sse("[DONE]")
 
 
-async def completion_reply(served: Served, body: CompletionRequest, choices, pieces, prompts, plan):
+async def completion_reply(served: Served, body: CompletionRequest, choices, pieces, prompts, plan, scored=None):
     """The completion answer, streamed or whole, from the choices' pieces."""
     echoes = [served.decode(prompts[c.index // body.n]) if body.echo else "" for c in choices]
     if body.stream:
@@ -171,18 +171,16 @@ async def completion_reply(served: Served, body: CompletionRequest, choices, pie
         prompt_tokens = sum(len(p) for p in prompts) * body.n
         body_ = event_stream(chunks, pieces, choices, opening, prompt_tokens, usage)
         return StreamingResponse(body_, media_type="text/event-stream")
-    return await completion_answer(served, body, pieces, choices, echoes, prompts, plan)
+    return await completion_answer(served, body, pieces, choices, echoes, prompts, plan, scored)
 
 
-async def completion_logprobs(served: Served, body: CompletionRequest, choices, echoes, prompts) -> list:
+async def completion_logprobs(served: Served, body: CompletionRequest, choices, echoes, prompts, scored) -> list:
     """Each choice's legacy logprobs block (None without `logprobs`): the echoed prompt's (`echoes`: its
     text per choice), by the encoder, then the completion's, by the denoiser."""
     k = body.logprobs
     if k is None:
         return [None] * len(choices)
     tok = served.tokenizer
-    echo = body.echo
-    scored = await logprob_blocks.echoed(served.engine, prompts, k, served.request_timeout) if echo else None
     blocks = []
     for c, echo in zip(choices, echoes, strict=True):
         head = None
@@ -196,11 +194,11 @@ async def completion_logprobs(served: Served, body: CompletionRequest, choices, 
     return blocks
 
 
-async def completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan):
+async def completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan, scored):
     texts, reasons = await gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
-    blocks = await completion_logprobs(served, body, choices, echoes, prompts)
+    blocks = await completion_logprobs(served, body, choices, echoes, prompts, scored)
     out = [
         {
             "index": c.index,

@@ -11,7 +11,7 @@ A request crosses one path: the guard (host, key, body bounds; guard.py), the re
 ranges; protocol.py), then its route (routes.py): the prompt is bounded in characters before it is
 tokenised (on a worker thread, not the event loop), checked against the context (served.py), its
 sampling settings resolved against the checkpoint's defaults (a 400 before anything is queued or
-streamed), and its programs (dgemma/programs.py, one per choice) submitted to the engine (choices.py),
+streamed), and its programs (dgemma/generation/programs.py, one per choice) submitted to the engine (choices.py),
 whose pieces are sent as SSE chunks or gathered into one JSON answer (answers.py). This module makes
 the app: the engine, the guard, the error shapes, the info routes and /docs.
 """
@@ -34,14 +34,14 @@ try:
 except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
     fastapi_offline = None
 
-from ..engine import Engine
+from ..generation.engine import Engine
 from ..runtime.runner import as_runner
 from .guard import Guard
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ApiError
-from .routes import add_generation_routes
-from .served import Served, check_model
+from .routes import add_generation_routes, check_model
+from .runs import Served
 
 STATIC = Path(__file__).parent / "static"
 TOKENIZE_AT_ONCE = 2  # prompts tokenised at the same time (each on a worker thread)

@@ -11,7 +11,7 @@ import json
 import logging
 import re
 
-from ..json_values import check_body
+from ..structured.tokens import check_body
 from .limits import Limits
 from .protocol import ApiError
 

@@ -2,22 +2,13 @@
 top_logprobs, text_offset) and a chat choice's `logprobs.content` list.
 
 Where the numbers come from (docs/structured.md): a prompt's tokens (completions with `echo`) are scored
-by the causal encoder, each given the tokens before it (dgemma.editing.prompt_logprobs_program; the first token
-has none); generated tokens by the denoiser at the last step of the canvas that wrote them, before
+by the causal encoder, each given the tokens before it (the Score task of dgemma.generation.programs; the
+first token has none); generated tokens by the denoiser at the last step of the canvas that wrote them, before
 temperature (dgemma.generate's `logprobs`): the distribution the committed argmax was read from, not a
 left-to-right probability.
 """
 
 from __future__ import annotations
-
-from ..editing import prompt_logprobs_program
-from ..engine import Engine
-from .choices import outcome
-
-
-async def echoed(engine: Engine, prompts: list[list[int]], k: int, timeout: float | None) -> list[tuple[list, list]]:
-    """The encoder's log-probabilities of each prompt's tokens (a program each, on the engine)."""
-    return [await outcome(engine, prompt_logprobs_program(p, k), timeout) for p in prompts]
 
 
 def legacy(tokenizer, tokens: list[int], logprobs: list, tops: list, start: int = 0) -> dict:

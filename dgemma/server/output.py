@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 
 from ..tool_calls import CALL_OPEN, parse_tool_calls
 
@@ -46,23 +47,23 @@ def find_stop(text: str, stops: list[str] | None) -> int:
     return min(hits) if hits else -1
 
 
+@dataclass
 class StreamText:
     """Turns the growing decoded text of one choice into deltas: held back while it could still become a
     stop string, a thought marker or the start of a tool call, split into reasoning and content."""
 
-    def __init__(self, stops: list[str] | None, reasoning: bool):
-        self.stops = stops or []
-        self.reasoning = reasoning
-        self.sent = 0  # characters of the decoded text already emitted
-        self.in_thought = False
-        self.stopped = False
-        self.cut = -1  # with a stop string: where it starts in the decoded text (the text ends there)
+    stops: list[str] | None
+    reasoning: bool
+    sent: int = 0  # characters of the decoded text already emitted
+    in_thought: bool = False
+    stopped: bool = False
+    cut: int = -1  # with a stop string: where it starts in the decoded text (the text ends there)
 
     def _holdback(self, text: str) -> int:
         """How many trailing characters might begin a stop string or a marker, or are U+FFFD: the bytes of a
         character whose tokens have not all arrived decode so, and become that character once they do."""
         keep = len(text) - len(text.rstrip("\ufffd"))
-        for s in [*self.stops, THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN]:
+        for s in [*(self.stops or []), THOUGHT_OPEN, THOUGHT_CLOSE, CALL_OPEN]:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
                     keep = max(keep, k)
@@ -73,7 +74,7 @@ class StreamText:
         """New (kind, text) pieces, kind 'content' or 'reasoning', from the full decoded text so far."""
         if self.stopped:
             return []
-        cut = find_stop(text[self.sent :], self.stops)
+        cut = find_stop(text[self.sent :], self.stops or [])
         if cut >= 0:
             self.cut = self.sent + cut
             text, final, self.stopped = text[: self.cut], True, True

@@ -17,11 +17,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..generate import MAX_LOGPROBS
+from ..generation.loop import MAX_LOGPROBS
+from ..generation.programs import (  # `choices`: options of one request; retries of a JSON answer
+    MAX_OPTIONS,
+    MAX_RETRIES,
+)
+from ..generation.sampling import SETTINGS, SamplingParams
 from ..images import SOFT_TOKEN_BUDGETS
-from ..json_values import MAX_VALUE_DEPTH, JsonRefused, first_problem, loads
-from ..programs import MAX_OPTIONS, MAX_RETRIES  # `choices`: options of one request; retries of a JSON answer
-from ..settings import SETTINGS, SamplingParams
+from ..structured.tokens import MAX_VALUE_DEPTH, JsonRefused, first_problem, loads
 from ..tool_calls import FUNCTION_NAME
 
 MAX_N = 8  # choices per request (each one is a row of the engine's batch)
@@ -92,7 +95,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 def setting_field(name: str) -> Any:
-    """A request field for a SamplingParams setting: its range and help, from dgemma.settings."""
+    """A request field for a SamplingParams setting: its range and help, from dgemma.generation.sampling."""
     meta = SETTINGS[name]
     bounds = {"gt": meta["low"]} if meta["open_low"] else {"ge": meta["low"]}
     return Field(default=None, le=meta["high"], description=meta["help"], **bounds)
@@ -495,12 +498,6 @@ class ChatCompletionRequest(DiffusionSettings):
     def _tool_choice(self) -> ChatCompletionRequest:
         if self.forced_call and not self.tools:
             raise PydanticCustomError("tool_choice", "tool_choice: needs tools to call", {"name": "tool_choice"})
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = [t.function.name for t in self.tools]
-            if self.tool_choice.function.name not in names:
-                raise PydanticCustomError(
-                    "tool_choice", "tool_choice: names a function that is not in tools", {"name": "tool_choice"}
-                )
         return self
 
     @model_validator(mode="after")
@@ -570,7 +567,7 @@ def _is_id(value: Any) -> bool:
 
 
 class CanvasScoreRequest(_Body):
-    """POST /v1/canvas/score: a read-only denoising pass over a given canvas (dgemma.editing.canvas_logprobs)."""
+    """POST /v1/canvas/score: a read-only denoising pass over a given canvas (the Score task)."""
 
     model: Text | None = Field(default=None, max_length=256)
     prompt: Text | list[int] = Field(min_length=1)

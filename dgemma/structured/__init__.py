@@ -1,20 +1,21 @@
 """Structured output: JSON that parses and validates against a schema by construction (docs/structured.md).
 
 A plan (`schema_plan`) compiles a JSON schema into a template of pinned keys and punctuation with
-constrained holes (dgemma.fill, dgemma.constraints), sized by a free draft of the answer; the values are
+constrained holes (dgemma.fill, dgemma.generation.loop), sized by a free draft of the answer; the values are
 read back and written with `json.dumps`, checked with `jsonschema`, and retried with the next seed. Its
-program is `dgemma.programs.json_program`. Modules: tokens.py (token classes, limits), nodes.py (the
-schema's tree and its grammar), plans.py (templates, reading), left_to_right.py (the grammar-constrained
-autoregressive baseline).
+program is `dgemma.generation.programs.json_program`. A leaf below the canvas loop: it takes a tokenizer and
+a model's sizes (`Sizes`), never a model. Modules: tokens.py (token classes, limits), nodes.py (the schema's
+tree and its grammar), schema.py (a schema checked and built into that tree; its unions), plans.py
+(templates, reading); the grammar-constrained autoregressive baseline is
+dgemma/ar.py.
 """
 
 from __future__ import annotations
 
-from .left_to_right import decode_grammar, generate_json_ar
 from .nodes import MORE, grammar_state
 from .plans import (
     JsonPlan,
-    JsonResult,
+    Sizes,
     compile_schema,
     first_object,
     object_plan,

@@ -11,15 +11,7 @@ from typing import Any
 
 import torch
 
-from .tokens import (
-    JSON,
-    MAX_TEMPLATE_TOKENS,
-    Syntax,
-    TemplateTooLong,
-    TokenClasses,
-    check_deadline,
-    json_text,
-)
+from .tokens import JSON, MAX_TEMPLATE_TOKENS, Syntax, TemplateTooLong, TokenClasses, check_deadline, json_text
 
 # ------------------------------------------------------------------------------------------------
 # Layout: the template being built

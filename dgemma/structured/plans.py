@@ -14,24 +14,21 @@ from typing import Any
 
 import torch
 
-from ..editing import end_of_text_ids
-from ..generate import GenerationResult
-from ..json_values import MAX_VALUE_DEPTH, first_problem
-from ..runtime.runner import Runner, as_runner
 from ..tool_calls import CALL_CLOSE, CALL_OPEN, QUOTE, parse_tool_calls
 from .nodes import MISSING, _Invalid, _Layout, _Read, completed, json_text
-from .schema import MAX_VALUES, build, expanded, ref_depth
+from .schema import MAX_VALUES, Path, apply, build, expanded, parting, ref_depth, written
 from .tokens import (
     DEFAULT_MAX_ITEMS,
     GEMMA_ARGUMENTS,
     JSON,
+    MAX_VALUE_DEPTH,
     StructuredOutputError,
     Syntax,
     TemplateTooLong,
     TokenClasses,
     compile_deadline,
+    first_problem,
 )
-from .unions import Path, apply, parting, written
 
 
 @dataclass
@@ -74,7 +71,7 @@ class JsonPlan:
     ) -> tuple[Any, str | None]:
         """The answer a fill of this plan holds and None, or None and why it is not valid. Where a hole
         holds one of several options spelled alike, `score(position, options)` says which (the index of
-        the likeliest; `score_request` says what to score; dgemma.programs.read_json asks the model).
+        the likeliest; `score_request` says what to score; dgemma.generation.programs.read_json asks the model).
         `alternatives`, per position the fill's log-probabilities of the tokens it has scores for, lets
         a pattern's hole that does not match be read as the likeliest match (without: the nearest)."""
         if self.schema is None:
@@ -205,8 +202,18 @@ def _laid_out(
     return plan
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What a plan needs of a model: its vocabulary, its canvas and the token that ends a text (the reader
+    of a checkpoint: dgemma.generation.programs.sizes_of)."""
+
+    vocab: int
+    canvas: int
+    end: int
+
+
 def schema_plan(
-    model: Runner | Any,
+    sizes: Sizes,
     tokenizer,
     schema: dict,
     *,
@@ -214,15 +221,14 @@ def schema_plan(
     wrap: tuple[str, str] = ("", ""),
     read_draft: Callable[[str, dict], Any] | None = None,
 ) -> JsonPlan:
-    """`compile_schema` for a model: its vocabulary, its canvas, its end-of-text token. The plan can be
+    """`compile_schema` for a model's `sizes`: its vocabulary, its canvas, its end-of-text token. The plan can be
     sized by a draft (`JsonPlan.resize`), whose value `read_draft(text, schema)` reads (default: the JSON
     object the text holds); the schema is checked once, not again for each draft.
 
     Plans are cached by the schema's text (and the model's and syntax's terms), its refusals too, and a
     schema being compiled by another thread is waited for, not compiled twice (`_CACHE`); a compile runs
     within MAX_COMPILE_SECONDS."""
-    m = as_runner(model).model
-    args = (tokenizer, m.text_config.vocab_size, m.config.canvas_length, end_of_text_ids(m)[0], syntax, wrap)
+    args = (tokenizer, sizes.vocab, sizes.canvas, sizes.end, syntax, wrap)
     try:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError):  # not JSON (a library caller's own objects): not cached
@@ -355,7 +361,7 @@ def _drafted_call(name: str) -> Callable[[str, dict], Any]:
     return read
 
 
-def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict | None) -> JsonPlan:
+def tool_call_plan(sizes: Sizes, tokenizer, name: str, parameters: dict | None) -> JsonPlan:
     """A Gemma 4 tool call of function `name` whose arguments follow `parameters` (its JSON schema), laid
     out in the call syntax: `<|tool_call>call:NAME{` pinned, the arguments' values as holes, `}<tool_call|>`
     pinned (dgemma.tool_calls). Reading the plan gives the arguments."""
@@ -365,7 +371,7 @@ def tool_call_plan(model: Runner | Any, tokenizer, name: str, parameters: dict |
         raise StructuredOutputError(f"must be a JSON schema of type object (got {kind!r})")
     _check_writable(schema)
     wrap = (f"{CALL_OPEN}call:{name}", CALL_CLOSE)
-    return schema_plan(model, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap, read_draft=_drafted_call(name))
+    return schema_plan(sizes, tokenizer, schema, syntax=GEMMA_ARGUMENTS, wrap=wrap, read_draft=_drafted_call(name))
 
 
 _MARKERS = (QUOTE, CALL_OPEN, CALL_CLOSE)  # the call syntax's own tokens: no escape writes them in a value
@@ -416,16 +422,6 @@ def object_plan(tokenizer, vocab_size: int, length: int) -> JsonPlan:
 @functools.lru_cache(maxsize=8)
 def _classes(tokenizer, vocab_size: int) -> TokenClasses:
     return TokenClasses(tokenizer, vocab_size)
-
-
-@dataclass
-class JsonResult:
-    value: Any  # the answer, validated against the schema
-    text: str  # its text: compact JSON (or, for a tool call, the call)
-    attempts: int  # fills run (1 + retries used)
-    steps: int  # denoising steps over all attempts (and the sizing draft)
-    result: GenerationResult  # the last fill
-    errors: list[str] = field(default_factory=list)  # why earlier attempts were drawn again
 
 
 def unsatisfied(attempts: int, last: str, steps: int = 0) -> StructuredOutputError:

@@ -29,6 +29,7 @@ from .tokens import (
     MAX_STRING_TOKENS,
     MAX_TEMPLATE_TOKENS,
     StructuredOutputError,
+    Syntax,
     check_deadline,
 )
 
@@ -366,3 +367,68 @@ def _integer(bounds: dict, step: int | float, path: str) -> _Number | _Choice | 
     node = _Number(min(digits + 2, 24), low is None or low < 0, True)
     node.bounds, node.multiple = (low, high), (step if step > 1 else None)
     return node
+
+
+# ------------------------------------------------------------------------------------------------
+# Unions: Choosing a union's branch by the model's scores where no draft chose it (`size="schema"`, or a draft
+
+
+Path = tuple[Any, ...]
+
+
+def apply(node: Any, branches: dict[Path, int], path: Path = ()) -> list[tuple[Path, _Union]]:
+    """Set each union at a path in `branches` that its draft left open to that branch; the open unions
+    left, outermost first (not those inside another open one)."""
+    if isinstance(node, _Union):
+        if not node.decided and path in branches:
+            node.chosen, node.decided = branches[path], True
+        if not node.decided:
+            return [(path, node)]
+        return apply(node.branches[node.chosen], branches, (*path, node.chosen))
+    if isinstance(node, _Object):
+        return [u for key, n in node.properties for u in apply(n, branches, (*path, key))]
+    if isinstance(node, _Array):
+        return [u for i, n in enumerate(node.items) for u in apply(n, branches, (*path, i))]
+    return []
+
+
+def written(node: Any, syntax: Syntax, target: Path | None = None, path: Path = ()) -> tuple[str, bool]:
+    """The text of `node`'s shortest value as its template writes it (its chosen branches, keys in the
+    syntax's order), up to the value at `target` when that is inside it (then True)."""
+    if path == target:
+        return "", True
+    if isinstance(node, _Union):
+        return written(node.branches[node.chosen], syntax, target, (*path, node.chosen))
+    if isinstance(node, _Object):
+        out = "{"
+        ordered = sorted(node.properties, key=lambda p: p[0]) if syntax.sort_keys else node.properties
+        for i, (key, n) in enumerate(ordered):
+            text, found = written(n, syntax, target, (*path, key))
+            out += ("," if i else "") + syntax.key(key) + text
+            if found:
+                return out, True
+        return out + "}", False
+    if isinstance(node, _Array):
+        out, whole = "[", ""
+        for i, n in enumerate(node.items):
+            text, found = written(n, syntax, target, (*path, i))
+            out += ("," if i else "") + text
+            if found:
+                return out, True
+            whole = out if i + 1 == node.min_items else whole
+        return (whole or "[") + "]", False
+    return syntax.write(node.shortest()), False
+
+
+def parting(options: list[list[int]]) -> list[list[int]]:
+    """Each option's tokens up to and including its first token that some other option does not have at
+    the same place (all of it when another option starts with it)."""
+
+    def common(a: list[int], b: list[int]) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    cuts = [max((common(a, b) for j, b in enumerate(options) if j != i), default=0) for i, a in enumerate(options)]
+    return [a[: min(len(a), cut + 1)] for a, cut in zip(options, cuts, strict=True)]

@@ -86,8 +86,8 @@ def answer(runner, tokenizer, image, kind: str, seed: int = 0) -> str:
 
 def ask(runner, tokenizer, image, kind: str, seed: int = 0):
     """(the one-word answer, the GenerationResult) of a scene's question."""
-    from ..generate import generate
-    from ..images import chat_prompt
+    from ..checkpoints.tokenizer import chat_prompt
+    from ..generation.programs import generate
 
     messages = [
         {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTIONS[kind]}]}

@@ -498,7 +498,7 @@ def solve_batch(
 
     `sampling` goes to `editing.fill` (SamplingParams fields, `seed`, `on_event` to watch the drafts).
     """
-    from ..programs import fill
+    from ..generation.programs import fill
 
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, got {attempts}")

@@ -25,7 +25,7 @@ from ..checkpoints.tokenizer import Tokenizer
 from ..checkpoints.weights import load as load_model
 from ..checkpoints.weights import resolve_dtype, write_notice
 from ..checkpoints.weights import save as save_model
-from ..model import DiffusionGemma
+from ..model.model import DiffusionGemma
 from . import distributed, lora
 from .config import TrainConfig
 

@@ -172,10 +172,11 @@ def _record_images(record, path: Path, line: int, image_tokens, cut) -> tuple[tu
     """A chat record's image paths (resolved), budget, and each image's soft-token count (cut: the tower's
     patch_size and pooling_kernel_size)."""
     from .. import images
+    from ..checkpoints.tokenizer import media_of
 
     messages = record.get("messages") if isinstance(record, dict) else None
     try:
-        found = images.media_of(messages) if isinstance(messages, list) else []
+        found = media_of(messages) if isinstance(messages, list) else []
     except ValueError as e:
         raise _fail(path, line, str(e)) from e
     if not found:

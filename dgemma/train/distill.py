@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..calls import DenoiseCall, DoneEvent, drive
-from ..generate import left_pad, prepare
-from ..model import DiffusionGemma
+from ..generation.engine import DenoiseCall, DoneEvent, drive
+from ..generation.loop import left_pad
+from ..generation.programs import Generate
+from ..generation.sampling import SamplingParams
+from ..model.model import DiffusionGemma
+from ..runtime.runner import as_runner
 
 
 @dataclass
@@ -60,7 +63,9 @@ def rollout(
     row, every state the model was given. `sampling`: SamplingParams fields (max_denoising_steps,
     entropy_bound, sampler, ...)."""
     c = model.config.canvas_length
-    loop = prepare(model, prompts, pins=pins, max_new_tokens=c, stop_token_ids=[], seed=seed, **sampling)
+    runner = as_runner(model)
+    params = SamplingParams(max_new_tokens=c, stop_token_ids=[], seed=seed, **sampling)
+    loop = Generate(prompts, params, pins=pins).check(runner.model).program(runner.model, runner.canvas_stats)
     b = len(prompts)
     states: list[list[torch.Tensor]] = [[] for _ in range(b)]
     signals: list[list[torch.Tensor | None]] = [[] for _ in range(b)]

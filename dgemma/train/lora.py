@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import DiffusionGemma
+from ..model.model import DiffusionGemma
 
 TARGETS = {  # module names of the text stack (the vision tower's projections have the same last names)
     "attention": r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",

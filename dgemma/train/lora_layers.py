@@ -15,8 +15,8 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from ..model import Experts, gelu_tanh
-from ..moe import experts_by_expert
+from ..model.model import Experts, gelu_tanh
+from ..model.moe import experts_by_expert
 from ..quant import QuantExperts, QuantLinear, dequantize
 from .config import EXPERT_KINDS
 

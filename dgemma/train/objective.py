@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import TextConfig
 from ..images import preprocess
-from ..model import DiffusionGemma
-from ..vision import Pixels
+from ..model.config import TextConfig
+from ..model.model import DiffusionGemma
+from ..model.vision import Pixels
 from .data import Example
 
 LOSSES = ("flat", "reweighted", "mean_loo")

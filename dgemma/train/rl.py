@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model import DiffusionGemma
+from ..model.model import DiffusionGemma
 from .distill import encode_prompts
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..model import DiffusionGemma
+from ..model.model import DiffusionGemma
 from . import distributed
 from .config import TrainConfig
 from .data import Example, batch_indices

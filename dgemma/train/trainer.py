@@ -23,10 +23,10 @@ import torch
 
 from ..checkpoints.tokenizer import Tokenizer
 from ..checkpoints.weights import load, resolve_dtype
-from ..config import DiffusionGemmaConfig, TextConfig
 from ..images import GEMMA4_IMAGE_TOKENS, geometry, image_token_strings
-from ..model import DiffusionGemma, build
-from ..presets import preset
+from ..model.config import DiffusionGemmaConfig, TextConfig
+from ..model.model import DiffusionGemma, build
+from ..model.presets import preset
 from ..quant import quantize_model
 from . import checkpoint, distributed, lora
 from .config import TrainConfig
@@ -101,7 +101,7 @@ def prepare(cfg: TrainConfig, *, multi_process: bool = True) -> tuple[DiffusionG
 
 def _add_vision(config: DiffusionGemmaConfig, vision: dict, tokenizer: Tokenizer | None) -> None:
     """model.vision: a tower on a preset, its image tokens taken from the tokenizer."""
-    from ..vision import VisionConfig
+    from ..model.vision import VisionConfig
 
     if tokenizer is None:
         raise ValueError("model.vision needs a tokenizer with Gemma 4's image tokens (data.tokenizer)")

@@ -1,22 +1,29 @@
-"""The choices of one HTTP request, run on the engine: each choice is a program (dgemma/programs.py) the
-route built, submitted; the events of every choice are merged into one stream of pieces (text, drafts,
-ends), stop strings applied as soon as they are final, cancellation when the client goes away. A
-composite program's answer (JSON, a tool call, an infill's middle, a chosen option) is whole: it is sent
-when the choice ends. Both endpoints, streaming or not, read the same pieces."""
+"""What the generation routes share: the served model, its checks before a task is built, and the run of a
+request's choices on the engine. Each choice is a program of the route's task (dgemma/generation/programs.py),
+submitted; the events of every choice are merged into one stream of pieces (text, drafts, ends), stop strings
+applied as soon as they are final, cancellation when the client goes away. A result's answer (`answer()`)
+says what to send: a generation's tokens came as events, a whole answer (JSON, a call, an infill's middle,
+an option) is sent when the choice ends. Every route, streaming or not, reads the same pieces."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ..calls import DoneEvent
-from ..editing import InfillResult
-from ..engine import Engine, EngineRequest, QueueFull, RequestTimeout, ShuttingDown
-from ..generate import DraftEvent, GenerationResult, TokensEvent
-from ..programs import Chosen
-from ..structured import JsonResult, StructuredOutputError
+from ..generation.engine import (
+    DoneEvent,
+    DraftEvent,
+    Engine,
+    EngineRequest,
+    RequestTimeout,
+    ShuttingDown,
+    TokensEvent,
+)
+from ..generation.sampling import RequestError
+from ..model.model import DiffusionGemma
+from ..structured import StructuredOutputError
 from .output import StreamText
 from .protocol import ApiError
 
@@ -24,14 +31,25 @@ log = logging.getLogger("dgemma.server")
 POLL_SECONDS = 0.05  # how often a wait checks whether the client is still there (a left client frees the engine)
 
 
-class _Sink:
-    """Lets the engine thread hand events to an asyncio queue."""
+@dataclass
+class Served:
+    """What the routes share: the model, its tokenizer and engine, and the server's settings."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+    model: DiffusionGemma  # the reference modules (configs); passes run through engine.runner
+    tokenizer: object
+    engine: Engine
+    name: str
+    request_timeout: float
+    tokenizing: asyncio.Semaphore
+    context: int  # the most positions one request may use (prompt + generated): its KV cache's size
+    compiling: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))  # schemas, one at a time
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    @property
+    def canvas(self) -> int:
+        return self.model.config.canvas_length
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 @dataclass
@@ -73,81 +91,10 @@ def as_api_error(event: Exception) -> ApiError:
         return ApiError(503, str(event), kind="server_error", code="shutting_down")
     if isinstance(event, StructuredOutputError):
         return ApiError(422, str(event), "response_format", code="json_unsatisfied")
-    if isinstance(event, ValueError):
-        return ApiError(400, str(event))
+    if isinstance(event, RequestError):
+        return ApiError(400, str(event), event.param, code=event.code)
     log.error("generation failed: %r", event)
     return ApiError(500, "generation failed", kind="server_error")
-
-
-# A route's programs: build(j, seed) is choice i of prompt j's program, run with seed + i.
-Build = Callable[[int, int | None], Generator]
-
-
-def submit(
-    engine: Engine,
-    prompts: int,
-    n: int,
-    build: Build,
-    *,
-    seed: int | None,
-    stops: list[str] | None,
-    reasoning: bool,
-    prompt_tokens: list[int],
-    want_drafts: bool = False,
-    reference: bool = False,
-    timeout: float | None = None,
-) -> list[Choice]:
-    """One engine request per prompt and choice (choice i of prompt j has index j * n + i, seed + i), its
-    program made by `build`; `prompt_tokens` per prompt (the prefill the queue is bounded in)."""
-    check_capacity(engine, prompts * n)
-    loop = asyncio.get_running_loop()
-    choices: list[Choice] = []
-    for j in range(prompts):
-        for i in range(n):
-            program = build(j, None if seed is None else (seed + i) % 2**63)
-            given = dict(want_drafts=want_drafts, reference=reference, timeout=timeout)
-            req = EngineRequest(program, prompt_tokens=prompt_tokens[j], **given)
-            try:
-                _submit(engine, req, loop)
-            except ApiError:
-                for c in choices:
-                    c.request.cancel()
-                raise
-            choices.append(Choice(j * n + i, req, StreamText(stops, reasoning)))
-    return choices
-
-
-def check_capacity(engine: Engine, choices: int) -> None:
-    """A 400 naming `n` when a request's choices cannot all be held at once."""
-    if choices > engine.capacity:
-        raise ApiError(400, f"{choices} choices exceed what this server holds at once ({engine.capacity})", "n")
-
-
-def _submit(engine: Engine, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> None:
-    """Queue one request whose events go to an asyncio queue; a full queue is a 429, draining a 503."""
-    request.events = _Sink(loop)
-    try:
-        engine.submit(request)
-    except ShuttingDown as e:
-        raise as_api_error(e) from e
-    except QueueFull as e:
-        raise ApiError(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from e
-
-
-async def outcome(engine: Engine, program: Generator, timeout: float | None = None):
-    """Run one program that streams nothing (a prompt's logprobs, a canvas's scores) and return its
-    result; what the engine reported as the HTTP error, cancelled if this is."""
-    request = EngineRequest(program, timeout=timeout)
-    _submit(engine, request, asyncio.get_running_loop())
-    try:
-        while True:
-            event = await request.events.queue.get()
-            if isinstance(event, Exception):
-                raise as_api_error(event)
-            if isinstance(event, DoneEvent):
-                return event.result
-    finally:
-        request.cancel()
 
 
 def _tokens_covering(tokens: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:
@@ -207,30 +154,18 @@ def _on_event(choice: Choice, event, tokenizer) -> list[Piece]:
     return pieces
 
 
-def _adopt(choice: Choice, result, tokenizer) -> GenerationResult | None:
-    """A choice's output from its program's result: a plain generation's tokens came as events; a
-    composite program's answer is whole (an infill's chosen middle; JSON, a tool call or a chosen option,
-    written as text). Returns the generation behind it, if any (logprobs, steps)."""
-    if isinstance(result, GenerationResult):
-        return result
-    if isinstance(result, InfillResult):
-        choice.tokens, choice.row = result.middle, result.row
-        choice.details = {"middle_length": result.middle_length}
-        if result.scores:
-            choice.details["middle_scores"] = {str(n): round(s, 4) for n, s in result.scores.items()}
-        return result.result
-    if isinstance(result, Chosen):
-        choice.answer = result.option
-        choice.details = {"choice_index": result.index, "choice_scores": [round(s, 4) for s in result.scores]}
-        generated = None
-    else:  # a JsonResult, or a ToolCall (its arguments' JsonResult, None for a call without arguments)
-        choice.answer = result.text
-        answer = result if isinstance(result, JsonResult) else result.json
-        choice.details = {"json_attempts": answer.attempts} if answer is not None else {}
-        generated = None if answer is None else answer.result
-    choice.tokens = tokenizer.encode(choice.answer, add_special_tokens=False)
-    choice.finish_reason = "stop"
-    return generated
+def _adopt(choice: Choice, result, tokenizer):
+    """A choice's output from its program's result (`answer()`): a generation's tokens came as events; a
+    whole answer (JSON, a call, an option) is written as text, an infill's middle is its tokens. Returns
+    the generation behind it, if any (logprobs, steps)."""
+    answer = result.answer()
+    choice.row, choice.details, choice.finish_reason = answer.row, answer.details, answer.finish_reason
+    choice.answer = answer.text
+    if answer.text is not None:
+        choice.tokens = tokenizer.encode(answer.text, add_special_tokens=False)
+    elif answer.tokens is not None:
+        choice.tokens = list(answer.tokens)
+    return answer.generation
 
 
 async def run(choices: list[Choice], tokenizer, is_disconnected) -> AsyncIterator[Piece]:

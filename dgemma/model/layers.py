@@ -1,4 +1,4 @@
-"""The building blocks the language model and the vision tower share (dgemma/model.py, dgemma/vision.py)."""
+"""The building blocks the language model and the vision tower share (dgemma/model/model.py, dgemma/model/vision.py)."""
 
 from __future__ import annotations
 

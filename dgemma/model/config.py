@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .settings import validate
+from ..generation.sampling import validate
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -525,7 +525,7 @@ class GenerationConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        # the same rules as every generate call's (dgemma.settings), so a config that loads also generates
+        # the same rules as every generate call's (dgemma.generation.sampling), so a config that loads also generates
         errors = validate({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if errors:
             raise ValueError("invalid generation config: " + "; ".join(errors))

@@ -1,5 +1,5 @@
 """Exact mode: transformers' `generate`, operation for operation and random draw for random draw, as a
-program of model calls (dgemma/calls.py) of its own.
+program of model calls (dgemma/generation/engine.py) of its own.
 
     encode(prompt)
     for each canvas:
@@ -12,7 +12,7 @@ program of model calls (dgemma/calls.py) of its own.
 
 Every row is denoised until all have stopped, and the seed seeds the global generator. Its driver answers
 its calls on the reference modules (`Runner.reference`), so its numbers are transformers'; the fast loop
-(dgemma/generate.py) computes the same distribution with less work and has none of this.
+(dgemma/generation/loop.py) computes the same distribution with less work and has none of this.
 """
 
 from __future__ import annotations
@@ -21,12 +21,18 @@ import math
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall
-from .kv_cache import KVCache
-from .model import DiffusionGemma
-from .results import DraftEvent, Output, sequence_canvas
-from .sampling import StableAndConfident, entropy_reference, random_tokens, reference_transition, temperature
-from .settings import SamplingParams
+from ..model.kv_cache import KVCache
+from ..model.model import DiffusionGemma
+from .engine import DenoiseCall, DoneEvent, DraftEvent, EncodeCall
+from .loop import Output, sequence_canvas
+from .sampling import (
+    SamplingParams,
+    StableAndConfident,
+    entropy_reference,
+    random_tokens,
+    reference_transition,
+    temperature,
+)
 
 
 def reference_program(
@@ -90,34 +96,3 @@ def _canvas(model: DiffusionGemma, cache, p, temperatures, k: int, finished, out
         if bool(done.all()):
             break
     return argmax, steps, done
-
-
-def own_global_rng(program):
-    """`program` with a global generator state of its own (a server runs many): the state at its start,
-    swapped in at each resume and out at each yield, so that requests never draw from each other's."""
-    state, reply = _global_rng(), None
-    while True:
-        outer = _global_rng()
-        _set_global_rng(state)
-        try:
-            item = program.send(reply)
-        except StopIteration:
-            return
-        finally:
-            state = _global_rng()
-            _set_global_rng(outer)
-        try:
-            reply = yield item
-        except GeneratorExit:
-            program.close()
-            raise
-
-
-def _global_rng() -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-
-def _set_global_rng(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])

@@ -333,6 +333,7 @@ class DiffusionGemma(nn.Module):
             self.vision_tower = VisionTower(vision)
             self.embed_vision = VisionEmbedder(vision, t.hidden_size)
         self._specs = {lt: t.layer(i) for i, lt in enumerate(t.layer_types)}  # one LayerSpec per layer type
+        self.layer_specs = [self._specs[lt] for lt in t.layer_types]  # per layer: what a new cache is shaped by
         # Recompute layers in the backward pass instead of keeping their activations (training). Encoder
         # layers write the KV cache: they are recomputed through a pinned view of a keep_all cache, which
         # writes the same keys to the same slots again (otherwise they are not recomputed).
@@ -486,6 +487,7 @@ class DiffusionGemma(nn.Module):
             dtype=dtype or self.dtype,
             device=device or self.device,
             keep_all=keep_all,
+            layers=self.layer_specs,
         )
 
     @torch.compiler.disable  # it reads the ids back to the host: in a compiled encode it runs eagerly, unguarded

@@ -1,11 +1,18 @@
-"""A batching engine for serving: many programs, one model, one background thread (docs/server.md,
-"Batching, queue, timeouts, cancellation").
+"""Programs, the model calls they yield, and their drivers: the one place a task's calls become forward passes.
 
-Each request is a program (dgemma/programs.py), the generator the library drives alone; every step the
-engine answers the model calls of all active requests, batched by kind (denoising calls in one pass,
-encodes of one shape in one pass, the rest alone). New requests join at the next step, up to `max_batch`;
-beyond that they wait in a queue bounded in requests and prompt tokens (full: QueueFull, a 429). Events
-(TokensEvent, DraftEvent, DoneEvent, or an exception) go to each request's thread-safe queue.
+A task's program (dgemma/generation/programs.py) is a Program: a generator that yields events for its
+caller and model calls for its driver, and ends with a `DoneEvent` holding its result, with what a
+driver needs to run it (mode "exact": the reference modules; the prefill it brings):
+
+    logits = yield DenoiseCall(tokens, cache, self_conditioning)   # one denoising pass
+    yield EncodeCall(ids, cache)                                   # a prompt's prefill, a canvas's commit
+    scores = yield ScoreCall(prompt, continuations)                # log-probabilities of given continuations
+    value = yield WorkCall(fn, args)                               # client-sized work between passes
+
+The program never holds a runner. `drive(runner, program)` answers each call on its own (`answer`); the
+serving engine (`Engine`, below) answers the calls of many programs together, batched by kind, and runs
+work calls on a worker thread while the other programs' passes go on. Every result offers `answer()`:
+one shape (Answer) that the engine, the server and the CLI read without knowing the task.
 """
 
 from __future__ import annotations
@@ -15,19 +22,295 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .calls import MODEL_CALLS, DenoiseCall, DoneEvent, EncodeCall, LogitsBuffer, ModelCall, WorkCall, answer
-from .generate import DraftEvent, GenerationResult, SamplingParams
-from .kv_cache import EncodeStack, KVCache, StackedCache
-from .model import DiffusionGemma
-from .programs import generate_program
-from .reference import own_global_rng
-from .runtime.runner import Runner, as_runner
+from ..model.kv_cache import EncodeStack, KVCache, StackedCache
+from ..model.model import DiffusionGemma
+from ..model.vision import Pixels
+from ..runtime.runner import Runner, as_runner
+
+
+@dataclass
+class DenoiseCall:
+    """`logits = yield DenoiseCall(...)`: one denoising pass over canvases whose prompts are in `cache`.
+    Keeping the call outside the program lets a server batch the canvases of many requests."""
+
+    tokens: torch.Tensor  # [b, C]
+    cache: KVCache
+    self_conditioning: torch.Tensor | None = None  # [b, C, M] the soft embedding of the previous step's logits
+
+
+@dataclass
+class EncodeCall:
+    """`yield EncodeCall(...)` (the reply is None): encode tokens into a cache, a prompt first, then each
+    committed canvas, so that a driver runs every model pass and a server schedules prefills and commits."""
+
+    ids: torch.Tensor  # [b, T]
+    cache: KVCache
+    attention_mask: torch.Tensor | None = None  # [b, T], 0 marks left padding
+    pixels: object = None  # vision.Pixels of the images whose placeholders `ids` holds
+    is_generated: bool = False  # a committed canvas (may hold the image placeholder id), not a prompt
+
+
+@dataclass
+class Scores:
+    """A ScoreCall's reply: per continuation, each token's log-probability [len] (CPU, fp32), and with
+    `top=k` the k likeliest tokens at each of its positions as (id, log-probability)."""
+
+    logprobs: list[torch.Tensor]
+    top: list[list[list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class ScoreCall:
+    """`scores = yield ScoreCall(prompt, continuations)`: the causal encoder's next-token log-probability of
+    each token of each continuation after `prompt` (a Scores). Self-contained (its own cache), so a driver
+    may answer several together."""
+
+    prompt: list[int]
+    continuations: list[list[int]]
+    top: int = 0
+    pixels: Any = None  # vision.Pixels of the images whose placeholders the prompt holds
+
+
+@dataclass
+class WorkCall:
+    """`value = yield WorkCall(fn, args)`: work whose size a client decides, between passes (a schema's
+    layout sized by a draft, an answer's read and validation). `drive` runs it in place; the serving engine
+    on a worker thread, so that it never holds up the other requests' passes. What it raises ends the
+    program."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+
+
+@dataclass
+class DraftEvent:
+    """After each denoising step: the argmax canvas of every row (finished rows keep their last draft)."""
+
+    canvas_index: int
+    step: int  # 1 for the first step of a canvas
+    drafts: torch.Tensor  # [B, C]
+    accepted: torch.Tensor  # [B, C] bool: positions accepted (or pinned) this step
+    # with step_stats: of the distribution the sampler read (after temperature and constraints); a row
+    # that has stopped keeps its last values
+    entropy: torch.Tensor | None = None  # [B, C] fp32
+    confidence: torch.Tensor | None = None  # [B, C] fp32, the argmax's probability
+
+
+@dataclass
+class TokensEvent:
+    """Tokens of one row that are final: a committed canvas, or its leading part under early commit."""
+
+    row: int
+    tokens: list[int]
+    canvas_index: int
+    early: bool = False
+
+
+@dataclass
+class Program:
+    """A task's program and how to drive it: `steps` yields events and model calls, a DoneEvent last;
+    `reference` (mode "exact"): every call is answered by the reference modules (transformers' numbers),
+    and a server gives it a global RNG state of its own; `prompt_tokens`: the prefill it brings (a
+    server's waiting queue is bounded in these)."""
+
+    steps: Generator
+    reference: bool = False
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Answer:
+    """What every task's result offers its front ends (`result.answer()`): `text` when the task writes
+    its answer (JSON, a call, an option; else None: decode `tokens`), `tokens` the answer's tokens (a
+    generation's streamed ones, an infill's middle), `generation` the GenerationResult behind it (logprobs,
+    steps; None when nothing was generated) and its `row`, `details` what the answer says of itself (a
+    server's `dgemma` block), `finish_reason` "stop" for an answer that is whole (else the generation's)."""
+
+    text: str | None
+    tokens: list[int] | None
+    generation: Any = None
+    details: dict = field(default_factory=dict)
+    finish_reason: str | None = None
+    row: int = 0
+
+    @property
+    def tokens_generated(self) -> int:
+        return 0 if self.generation is None else sum(len(t) for t in self.generation.tokens)
+
+
+@dataclass
+class DoneEvent:
+    """A program's last event: its result (a GenerationResult, JsonResult, InfillResult, Chosen, ...)."""
+
+    result: Any
+
+
+ModelCall = DenoiseCall | EncodeCall | ScoreCall | WorkCall  # what a program asks of its driver
+MODEL_CALLS = (DenoiseCall, EncodeCall, ScoreCall, WorkCall)
+
+
+class LogitsBuffer:
+    """One [b, C, V] fp32 logits buffer for the fast steps of a driven program (or of a server's batches):
+    each step's logits are used up before the next step is asked for, and on a CPU a fresh allocation
+    of this size is faulted in page by page on every step (~8 ms for 32 MB). It grows to the most rows
+    asked for; `release` drops it (an idle server)."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.tensor: torch.Tensor | None = None
+
+    def rows(self, shape: torch.Size) -> torch.Tensor:
+        """The buffer's first b rows for canvas tokens of `shape` [b, C]."""
+        b, c = shape
+        if self.tensor is None or self.tensor.shape[1] != c or self.tensor.shape[0] < b:
+            self.tensor = torch.empty(b, c, self.vocab, dtype=torch.float32, device=self.device)
+        return self.tensor[:b]
+
+    def release(self) -> None:
+        self.tensor = None
+
+
+@torch.no_grad()
+def score(
+    model: DiffusionGemma | Runner, prompt: list[int], continuations: list[list[int]], top: int = 0, pixels=None
+) -> Scores:
+    """What a ScoreCall asks for, in two causal passes with every continuation a row: the prompt but its
+    last token (with its images, `pixels`, once per row), then that token and the continuations,
+    right-padded (a causal encoder never lets a real token see the padding after it)."""
+    runner = as_runner(model)
+    model = runner.model
+    rows = len(continuations)
+    if not prompt or any(not c for c in continuations):
+        raise ValueError("scoring needs a non-empty prompt and non-empty continuations")
+    width = 1 + max(len(c) for c in continuations)
+    tail = torch.zeros(rows, width, dtype=torch.long)
+    for i, c in enumerate(continuations):
+        tail[i, : 1 + len(c)] = torch.tensor(prompt[-1:] + c)
+    cache = model.new_cache(rows, len(prompt) - 1 + width)
+    if len(prompt) > 1:
+        images = None if pixels is None else Pixels.cat([pixels] * rows)
+        runner.encode(torch.tensor([prompt[:-1]] * rows, device=model.device), cache, pixels=images)
+    tail = tail.to(model.device)
+    logp = torch.log_softmax(runner.encode(tail, cache, return_logits=True).logits[:, :-1].float(), dim=-1)
+    token_logp = logp.gather(-1, tail[:, 1:, None]).squeeze(-1)
+    out = Scores([token_logp[i, : len(c)].cpu() for i, c in enumerate(continuations)])
+    if top:
+        out.top = [alternatives(logp[r, : len(c)], top) for r, c in enumerate(continuations)]
+    return out
+
+
+def alternatives(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest tokens of each row of log-probabilities [n, V], as (id, log-probability)."""
+    if not k:
+        return [[] for _ in range(logp.shape[0])]
+    top = logp.topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+
+
+@torch.no_grad()
+def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) -> torch.Tensor | Scores | None:
+    """Run one model call on `runner`: a DenoiseCall's logits (written into `buffer`'s rows where the
+    runner writes in place), a ScoreCall's Scores, None for an EncodeCall, a WorkCall's value."""
+    if isinstance(call, WorkCall):
+        return call.fn(*call.args)
+    if isinstance(call, ScoreCall):
+        return score(runner, call.prompt, call.continuations, call.top, call.pixels)
+    if isinstance(call, EncodeCall):
+        runner.encode(call.ids, call.cache, call.attention_mask, pixels=call.pixels, is_generated=call.is_generated)
+        return None
+    out = buffer.rows(call.tokens.shape) if buffer is not None and runner.writes_in_place() else None
+    return runner.denoise(call.tokens, call.cache, call.self_conditioning, out=out)
+
+
+def drive(model: DiffusionGemma | Runner, program: Program, observe=None) -> Iterator:
+    """Run a program on its own: answer each model call (`answer`; on the reference modules for a
+    reference program), pass its events through. `observe(call)`, if given, sees every DenoiseCall before
+    it is answered (stage 2 records the states)."""
+    runner = as_runner(model)
+    runner = runner.reference if program.reference else runner
+    reply, buffer, steps = None, LogitsBuffer(runner.text_config.vocab_size, runner.device), program.steps
+    while True:
+        try:
+            item = steps.send(reply)
+        except StopIteration:
+            return
+        if isinstance(item, MODEL_CALLS):
+            if observe is not None and isinstance(item, DenoiseCall):
+                observe(item)
+            reply = answer(runner, item, buffer)
+        else:
+            reply = None
+            yield item
+
+
+def run(model: DiffusionGemma | Runner, program: Program, on_event=None) -> Any:
+    """Drive `program` to its end and return its result; `on_event(event)`, if given, sees every event."""
+    for event in drive(model, program):
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, DoneEvent):
+            return event.result
+    raise AssertionError("the program ended without a DoneEvent")
+
+
+def _global_rng() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_global_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def own_global_rng(program):
+    """`program` with a global generator state of its own (a server runs many): the state at its start,
+    swapped in at each resume and out at each yield, so that requests never draw from each other's."""
+    state, reply = _global_rng(), None
+    while True:
+        outer = _global_rng()
+        _set_global_rng(state)
+        try:
+            item = program.send(reply)
+        except StopIteration:
+            return
+        finally:
+            state = _global_rng()
+            _set_global_rng(outer)
+        try:
+            reply = yield item
+        except GeneratorExit:
+            program.close()
+            raise
+
+
+def result_of(program: Generator, passes: tuple = ()) -> Generator[Any, Any, Any]:
+    """`result = yield from result_of(program)`: run a program inside another, its model calls going to the
+    driver, its events of the types in `passes` through, and its result returned."""
+    reply = None
+    while True:
+        item = program.send(reply)
+        if isinstance(item, MODEL_CALLS):
+            reply = yield item
+            continue
+        reply = None
+        if isinstance(item, DoneEvent):
+            program.close()
+            return item.result
+        if isinstance(item, passes):
+            yield item
+
+
+# ------------------------------------------------------------------------------------------------
+# The serving engine: many programs at once
+
 
 WORK_POLL_SECONDS = 0.05  # while every active request waits on work: how long a new one may wait to join
 
@@ -46,12 +329,11 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class EngineRequest:
-    """One program to run (dgemma/programs.py), and how: its events go to `events`; `cancel` ends it."""
+    """One program to run, and how: its events go to `events`; `cancel` ends it. A reference program runs
+    alone on the reference modules, with a global RNG state of its own."""
 
-    program: Generator  # events and model calls, a DoneEvent last
-    prompt_tokens: int = 0  # the prefill work it brings (the waiting queue is bounded in these)
+    program: Program
     want_drafts: bool = False
-    reference: bool = False  # exact mode: run alone on the reference modules, with a global RNG state of its own
     timeout: float | None = None  # seconds from submission
     id: int = field(default_factory=itertools.count().__next__)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -62,35 +344,11 @@ class EngineRequest:
     _work: futures.Future | None = None  # its WorkCall, started on the worker thread
 
     def __post_init__(self):
-        if self.reference:
-            self.program = own_global_rng(self.program)
+        self.steps = own_global_rng(self.program.steps) if self.program.reference else self.program.steps
+        self.reference, self.prompt_tokens = self.program.reference, self.program.prompt_tokens
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-def generation_request(
-    runner: Runner, prompt, params: SamplingParams | dict, *, want_drafts: bool = False, timeout=None, **kwargs
-) -> EngineRequest:
-    """An EngineRequest of `dgemma.generate`'s program (`kwargs`: pins, allowed, logprobs, pixels)."""
-    params = SamplingParams(**params) if isinstance(params, dict) else params
-    rows = prompt if prompt and isinstance(prompt[0], list) else [prompt]
-    return EngineRequest(
-        generate_program(runner, prompt, params, **kwargs),
-        prompt_tokens=sum(len(r) for r in rows),
-        want_drafts=want_drafts,
-        reference=params.mode == "exact",
-        timeout=timeout,
-    )
-
-
-def _tokens_generated(result) -> int:
-    """The tokens of a program's last generation or fill (0 for a choice among options)."""
-    while not isinstance(result, GenerationResult):
-        result = getattr(result, "result", None) or getattr(result, "json", None)
-        if result is None:
-            return 0
-    return sum(len(t) for t in result.tokens)
 
 
 @dataclass
@@ -227,7 +485,7 @@ class Engine:
             request.events.put(RequestTimeout(f"the request took longer than {request.timeout:g} s"))
         else:
             return False
-        request.program.close()
+        request.steps.close()
         return True
 
     def _start(self, request: EngineRequest) -> None:
@@ -243,7 +501,7 @@ class Engine:
         """Resume a request's program with `reply` until its next model call (or its end)."""
         try:
             while True:
-                item = request.program.send(reply)
+                item = request.steps.send(reply)
                 reply = None
                 if isinstance(item, MODEL_CALLS):
                     request._call = item
@@ -252,7 +510,8 @@ class Engine:
                     continue
                 if isinstance(item, DoneEvent):
                     self.stats.requests_finished += 1
-                    self.stats.tokens_generated += _tokens_generated(item.result)
+                    answer = getattr(item.result, "answer", None)  # a score's result is not an answer
+                    self.stats.tokens_generated += 0 if answer is None else answer().tokens_generated
                 request.events.put(item)
         except StopIteration:
             request._call = None
@@ -263,7 +522,7 @@ class Engine:
         """End `requests` with `error` as their last event (the others go on)."""
         for r in requests:
             r._call = None
-            r.program.close()
+            r.steps.close()
             r.events.put(error)
         self.stats.requests_failed += len(requests)
 
@@ -274,7 +533,7 @@ class Engine:
             if r._call is None:
                 continue
             if self._draining:
-                r.program.close()
+                r.steps.close()
                 r.events.put(ShuttingDown("the server is shutting down"))
                 continue
             if not self._gone(r, now):

@@ -13,30 +13,26 @@ This is the fast loop (mode "fast", the default): one full-vocabulary buffer per
 tokens are accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and
 it can pin positions (infilling, editing, templates), constrain them, and stream a canvas's leading tokens
 early. Mode "exact" reproduces transformers' `generate` operation for operation and random draw for
-random draw, so the same seed gives the same token ids: it is its own program, dgemma/reference.py, on
+random draw, so the same seed gives the same token ids: it is its own program, dgemma/generation/reference.py, on
 the reference modules; `prepare` returns one or the other. Both compute the same distribution.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall, ModelCall, drive
-from .constraints import Allowed, as_allowed
-from .images import DEFAULT_BUDGET
-from .kv_cache import KVCache
-from .model import DiffusionGemma
-from .prompts import left_pad, prompt_rows, with_images
-from .reference import reference_program
-from .results import DraftEvent, GenerationResult, GenerationStats, Output, TokensEvent, sequence_canvas  # noqa: F401 (public here)
-from .runtime.runner import Runner, as_runner
-from .sampling import (
+from ..images import DEFAULT_BUDGET, text_prompt
+from ..model.kv_cache import KVCache
+from ..model.model import DiffusionGemma
+from .engine import Answer, DenoiseCall, DoneEvent, DraftEvent, EncodeCall, ModelCall, TokensEvent, drive  # noqa: F401 (public here)
+from .sampling import (  # noqa: F401 (the settings live in settings.py; both are public here too)
+    MODES,
+    SamplingParams,
     StableAndConfident,
     fast_transition,
     random_tokens,
@@ -44,7 +40,6 @@ from .sampling import (
     temperature,
     top_logprobs,
 )
-from .settings import MODES, SamplingParams  # noqa: F401 (the settings live in settings.py; both are public here too)
 
 Event = DraftEvent | TokensEvent | DoneEvent
 MAX_LOGPROBS = 20  # alternatives per token a result may carry
@@ -85,7 +80,7 @@ def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, de
     return out
 
 
-class _Loop:
+class Loop:
     """Runs canvases for one batch of prompts: asks for the prompt's encode into `cache` (`prompt`, None when
     it is there already), then denoises and commits canvas after canvas. It holds the model's configuration
     and embedding, never a runner: every forward pass is a call its driver answers. `stats` computes a
@@ -292,107 +287,17 @@ class _Loop:
 # Public entry points
 
 
-@dataclass
-class Request:
-    """One generation request, checked against a model (`make_request`): what `start` runs."""
-
-    rows: list[list[int]]  # the prompt's token rows (left-padded when run)
-    params: SamplingParams  # resolved against the checkpoint's defaults
-    pins: torch.Tensor | None = None  # [B, L] given tokens of the generated sequence, -1 elsewhere
-    allowed: Allowed | None = None  # the tokens each generated position may hold
-    logprobs: int | None = None  # alternatives per token in the result (0: the token's own only)
-    pixels: object = None  # vision.Pixels of the images whose placeholders the rows hold
-    step_stats: bool = False  # each step's entropy and confidence in its DraftEvent (dgemma.tracing)
-
-
-def make_request(
-    model: DiffusionGemma | Runner,
-    prompt,
-    params: SamplingParams | None = None,
-    *,
-    tokenizer=None,
-    pins: torch.Tensor | None = None,
-    allowed=None,
-    logprobs: int | None = None,
-    pixels=None,
-    images=None,
-    max_soft_tokens: int = DEFAULT_BUDGET,
-    step_stats: bool = False,
-    **overrides,
-) -> Request:
-    """A Request of `prompt` (see `stream` for the arguments), every part checked: a ValueError names what
-    is wrong before anything runs."""
-    model = as_runner(model).model
-    params = dataclasses.replace(params or SamplingParams(), **overrides)
-    p = params.resolve(model.generation_config, model.text_config.eos_token_ids)
-    if pins is not None and p.mode == "exact":
-        raise ValueError("pinned positions need mode 'fast' (the reference has no pinning)")
-    if allowed is not None and p.mode == "exact":
-        raise ValueError("allowed tokens need mode 'fast' (the reference has no constraints)")
-    _check_logprobs(logprobs, p)
-    if images is not None:
-        prompt, pixels = with_images(model, prompt, tokenizer, pixels, images, max_soft_tokens)
-    rows = prompt_rows(prompt, tokenizer)
-    if pins is not None and pins.shape[0] != len(rows):
-        raise ValueError(f"pins has {pins.shape[0]} rows for a batch of {len(rows)} prompts")
-    allowed = as_allowed(allowed, len(rows), model.text_config.vocab_size)
-    if allowed is not None:
-        allowed.check(len(rows), model.text_config.vocab_size, pins)
-    return Request(rows, p, pins, allowed, logprobs, pixels, step_stats)
-
-
-def start(model: DiffusionGemma | Runner, request: Request, cache: KVCache | None = None):
-    """The program of a Request: the fast canvas loop, or for mode "exact" transformers' generate step for
-    step (dgemma/reference.py); a generator of events and model calls (the prompt's EncodeCall first, then
-    DenoiseCalls and the commits' EncodeCalls; see `dgemma.calls.drive`). `cache` continues a
-    conversation already in it (else a new one, sized for the request)."""
-    t0 = time.perf_counter()
-    runner = as_runner(model)
-    model, r, p = runner.model, request, request.params
-    pad_id = model.generation_config.pad_token_id
-    ids, mask = left_pad(r.rows, model.text_config.pad_token_id if pad_id is None else pad_id, model.device)
-    cache = _cache_for(model, ids, max(p.max_new_tokens, 0 if r.pins is None else r.pins.shape[1]), cache)
-    pins = None if r.pins is None else r.pins.to(model.device)
-    allowed = None if r.allowed is None else r.allowed.to(model.device)
-    encode = EncodeCall(ids, cache, mask, r.pixels)
-    pad_id = (model.text_config.pad_token_id or 0) if pad_id is None else pad_id  # what commits pad with
-    out = Output(ids.shape[0], p, [len(row) for row in r.rows], pad_id, model.device, t0)
-    if p.mode == "exact":
-        return reference_program(model, cache, p, encode, out, r.step_stats)
-    return _Loop(model, runner.canvas_stats, cache, p, pins, out, allowed, r.logprobs, r.step_stats, encode).run()
-
-
-def prepare(
-    model: DiffusionGemma | Runner, prompt, params: SamplingParams | None = None, *, cache=None, **kwargs
-) -> Generator[Event | ModelCall, torch.Tensor | None, None]:
-    """`start(make_request(...))`: check the request and return its program (`model`: a DiffusionGemma or
-    a Runner, dgemma/runtime/runner.py). `stream` is this plus a driver; a server drives many at once."""
-    return start(model, make_request(model, prompt, params, **kwargs), cache)
-
-
-def runner_for(model: DiffusionGemma | Runner, request: Request) -> Runner:
-    """What answers a request's model calls: the reference modules for mode "exact", else `model`'s."""
-    runner = as_runner(model)
-    return runner.reference if request.params.mode == "exact" else runner
-
-
 def context_room(context: int, canvas: int, prompt_len: int) -> int:
     """The tokens a context of `context` positions leaves after a prompt, in whole canvases (what can be
     generated; 0 when the prompt fills it)."""
     return max(context - prompt_len, 0) // canvas * canvas
 
 
-def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
+def cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
     """The cache a request writes: a new one with room for the prompt and `total` new tokens in whole
-    canvases, or the conversation's (`cache`) if they fit in it; a ValueError beyond the context."""
+    canvases (the task checked they fit the context), or the conversation's (`cache`) if they fit in it."""
     c = model.config.canvas_length
     room = ids.shape[1] + math.ceil(total / c) * c
-    limit = model.text_config.max_position_embeddings
-    if (0 if cache is None else cache.length) + room > limit:
-        raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) plus {total} new tokens (rounded up to whole canvases "
-            f"of {c}) exceed the model's context of {limit} positions"
-        )
     if cache is None:
         return model.new_cache(ids.shape[0], room)
     if cache.length + room > cache.max_length:
@@ -402,61 +307,280 @@ def _cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCa
     return cache
 
 
-def _check_logprobs(logprobs: int | None, p: SamplingParams) -> None:
-    if logprobs is None:
-        return
-    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token)")
-    if p.mode == "exact" or p.early_commit:
-        raise ValueError("logprobs need mode 'fast' without early commit (they are read at a canvas's last step)")
+# ------------------------------------------------------------------------------------------------
+# Prompts: rows of token ids, left-padded
 
 
-@torch.no_grad()
-def stream(
-    model: DiffusionGemma | Runner,
-    prompt,
-    params: SamplingParams | None = None,
-    *,
-    tokenizer=None,
-    pins: torch.Tensor | None = None,
-    allowed=None,
-    logprobs: int | None = None,
-    cache: KVCache | None = None,
-    **overrides,
-) -> Iterator[Event]:
-    """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
-    DoneEvent with the GenerationResult last.
+def prompt_rows(prompt, tokenizer) -> list[list[int]]:
+    """A prompt as a batch of token-id rows: text (with `tokenizer`), ids, a list of either, or a tensor."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist() if prompt.dim() == 2 else [prompt.tolist()]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a string, a list of token ids, or a list of those")
+    if all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    rows = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (pass tokenizer=Tokenizer.from_dir(...))")
+            p = tokenizer.encode(p)
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
+            raise ValueError("each prompt must be a non-empty string or a non-empty list of token ids")
+        rows.append(p)
+    return rows
 
-    `prompt`: token ids, a list of them (a batch, left-padded), or text (with `tokenizer`). `overrides` set
-    SamplingParams fields. `pins` [B, L] (fast mode) holds token ids for positions of the generated
-    sequence that are given, -1 elsewhere; `allowed` (fast mode) the tokens each position may hold: a
-    list of token-id sets (None for any) for the positions of the generated sequence, one such list per
-    row, or a dgemma.constraints.Allowed (see there); `logprobs=k` (fast mode, no early commit) puts in
-    the result each token's log-probability under the denoiser at its canvas's last step, before
-    temperature, with the k likeliest tokens there; `cache` continues a conversation already in that cache;
-    `images` (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a
-    chat template writes them; dgemma.images.chat_prompt makes one from messages), each given at most
-    `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts
-    (these three, like the SamplingParams fields, go to `prepare`).
-    """
-    runner = as_runner(model)
-    request = make_request(
-        runner, prompt, params, tokenizer=tokenizer, pins=pins, allowed=allowed, logprobs=logprobs, **overrides
+
+def with_images(model: DiffusionGemma, prompt, tokenizer, pixels, images, budget: int | None = None):
+    """A text prompt with images -> its token ids (placeholders expanded) and the images' Pixels."""
+    if pixels is not None:
+        raise ValueError("give images= or pixels=, not both")
+    if not isinstance(prompt, str) or tokenizer is None:
+        raise ValueError("images= goes with a text prompt (one image token per image) and tokenizer=")
+    model.check_vision()  # before reading and preprocessing the images
+    return text_prompt(tokenizer, model.config, prompt, list(images), DEFAULT_BUDGET if budget is None else budget)
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [B, T] left-padded to the longest row, and the attention mask (None if nothing is padded)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), (None if bool(mask.all()) else mask.to(device))
+
+
+# ------------------------------------------------------------------------------------------------
+# What a request produces: its statistics and result
+
+
+@dataclass
+class GenerationStats:
+    canvases: int
+    steps_per_canvas: list[list[int]]  # per row: denoising steps that row ran in each canvas
+    # per row and canvas: the stop rule (stable and confident) ended it, at or before the step cap (or, with
+    # early commit, every position was committed; a row that had already stopped counts as ended)
+    converged_per_canvas: list[list[bool]]
+    decoder_forward_passes: list[int]
+    tokens_per_forward: list[float]
+    time_to_first_token: float | None  # seconds from the call to the first final token
+    elapsed: float
+    tokens_per_second: float
+    prompt_tokens: list[int]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # per row: new tokens, stop token excluded, at most max_new_tokens
+    finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_new_tokens)
+    sequences: torch.Tensor  # [B, canvases * C]: the committed canvases, pad after a stop token
+    stats: GenerationStats
+    text: list[str] | None = None
+    # with `logprobs=k`: per row and token, the denoiser's log-probability of it at its canvas's last step
+    # (before temperature), and the k likeliest tokens there as (id, log-probability)
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    def answer(self, row: int = 0) -> Answer:
+        """Row `row` as a front end shows it: its tokens (streamed as they became final), the generation."""
+        return Answer(None, self.tokens[row], self, {}, None, row)
+
+
+class Output:
+    """Per-row bookkeeping of what has been returned, and why a row finished."""
+
+    def __init__(self, batch: int, p: SamplingParams, prompt_tokens: list[int], pad_id: int, device, t0: float):
+        max_new_tokens, stop_ids = p.max_new_tokens, p.stop_token_ids
+        self.t0, self.pad_id, self.prompt_tokens = t0, pad_id, prompt_tokens
+        self.passes = torch.zeros(batch, dtype=torch.long, device=device)  # denoising passes per row
+        self.steps_per_canvas: list[list[int]] = [[] for _ in range(batch)]
+        self.converged_per_canvas: list[list[bool]] = [[] for _ in range(batch)]
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.logprobs: list[list[float]] = [[] for _ in range(batch)]  # with logprobs: one per token
+        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+        self.max_new = max_new_tokens
+        self.stop_ids = set(stop_ids)
+        self.first_token_time: float | None = None
+
+    def end_canvas(self, steps: torch.Tensor, converged: torch.Tensor) -> None:
+        """A canvas ended: the steps each row ran in it, and whether its stop rule ended it."""
+        for r, (n, done) in enumerate(zip(steps.tolist(), converged.tolist(), strict=True)):
+            self.steps_per_canvas[r].append(n)  # one device read per canvas, not one per row
+            self.converged_per_canvas[r].append(done)
+
+    def result(self, sequences: torch.Tensor, logprobs: bool = False) -> GenerationResult:
+        """The GenerationResult of the committed canvases `sequences` [B, canvases * C]."""
+        elapsed = time.perf_counter() - self.t0
+        counted = (sequences[:, : self.max_new] != self.pad_id).sum(-1)
+        passes = self.passes.tolist()
+        total = sum(len(t) for t in self.tokens)
+        first = self.first_token_time
+        stats = GenerationStats(
+            canvases=len(self.steps_per_canvas[0]),
+            steps_per_canvas=self.steps_per_canvas,
+            converged_per_canvas=self.converged_per_canvas,
+            decoder_forward_passes=passes,
+            tokens_per_forward=[float(n) / max(f, 1) for n, f in zip(counted.tolist(), passes, strict=True)],
+            time_to_first_token=None if first is None else first - self.t0,
+            elapsed=elapsed,
+            tokens_per_second=total / elapsed if elapsed > 0 else 0.0,
+            prompt_tokens=self.prompt_tokens,
+        )
+        result = GenerationResult(self.tokens, [r or "length" for r in self.reasons], sequences, stats)
+        if logprobs:
+            result.logprobs, result.top_logprobs = self.logprobs, self.top
+        return result
+
+    def finished(self, row: int) -> bool:
+        return self.reasons[row] is not None
+
+    def take(self, row: int, tokens: list[int], canvas_index: int, early: bool, logprobs=None) -> TokensEvent | None:
+        """Append final tokens to a row up to a stop token or the length limit (and, given as (log-probabilities,
+        alternatives) aligned with `tokens`, their log-probabilities); None if nothing is new."""
+        out = []
+        for t in tokens:
+            if t in self.stop_ids:
+                self.reasons[row] = "stop"
+                break
+            out.append(t)
+            if len(self.tokens[row]) + len(out) >= self.max_new:
+                self.reasons[row] = "length"
+                break
+        self.tokens[row].extend(out)
+        if logprobs is not None:
+            self.logprobs[row].extend(logprobs[0][: len(out)])
+            self.top[row].extend(logprobs[1][: len(out)])
+        if not out:
+            return None
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        return TokensEvent(row, out, canvas_index, early)
+
+
+def text_ends(model: DiffusionGemma) -> list[int]:
+    """The token ids that end a text: generation_config.json's eos_token_id, else config.json's (maybe none)."""
+    eos = model.generation_config.eos_token_id
+    eos = model.text_config.eos_token_id if eos is None else eos
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def end_of_text_ids(model: DiffusionGemma) -> list[int]:
+    """`text_ends`, of which a layout needs one: the first is the one infilling pins after the suffix; any
+    of them ends a middle (`cut_at_end`)."""
+    ids = text_ends(model)
+    if not ids:
+        raise ValueError("infilling pins end-of-text after the suffix and needs an eos_token_id in the config")
+    return ids
+
+
+def sequence_canvas(final: torch.Tensor, stop: torch.Tensor, pad_id: int, was_finished: torch.Tensor):
+    """The reference's committed canvas: pad after the first stop token, all pad for rows finished before."""
+    is_stop = torch.isin(final, stop)
+    seen = is_stop.cumsum(-1)
+    after = (seen > 0) & ~((seen == 1) & is_stop)
+    out = final.masked_fill(after, pad_id)
+    out[was_finished] = pad_id
+    return out, is_stop.any(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Allowed tokens per position (constraints)
+
+
+TokenSet = Collection[int] | torch.Tensor | None  # ids, a bool [V] mask, or None (any token)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """Allowed tokens per position: `classes` [K, V] bool, `index` [B, L] long (a row of `classes`, or -1)."""
+
+    classes: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def from_sets(cls, rows: Sequence[Sequence[TokenSet]], vocab_size: int) -> Allowed:
+        """From one list of sets per row (rows of equal length); equal sets share a class."""
+        if not rows or len({len(r) for r in rows}) != 1:
+            raise ValueError("allowed needs one list of token sets per row, all of the same length")
+        classes: list[torch.Tensor] = []
+        keys: dict[bytes, int] = {}
+        index = torch.full((len(rows), len(rows[0])), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            for i, tokens in enumerate(row):
+                if tokens is None:
+                    continue
+                mask = token_mask(tokens, vocab_size, f"allowed[{r}][{i}]")
+                key = mask.numpy().tobytes()
+                if key not in keys:
+                    keys[key] = len(classes)
+                    classes.append(mask)
+                index[r, i] = keys[key]
+        stacked = torch.stack(classes) if classes else torch.zeros(0, vocab_size, dtype=torch.bool)
+        return cls(stacked, index)
+
+    def check(self, rows: int, vocab_size: int, pins: torch.Tensor | None = None) -> None:
+        """ValueError unless this fits a batch of `rows` over `vocab_size` tokens (and keeps the pins)."""
+        if self.classes.dtype != torch.bool or self.classes.dim() != 2 or self.classes.shape[1] != vocab_size:
+            raise ValueError(f"allowed.classes must be a bool [K, {vocab_size}] tensor")
+        if self.index.dim() != 2 or self.index.shape[0] != rows:
+            raise ValueError(f"allowed.index must be [{rows}, length] (one row per prompt)")
+        k = self.classes.shape[0]
+        if bool(((self.index < -1) | (self.index >= k)).any()):
+            raise ValueError(f"allowed.index holds a class outside [-1, {k})")
+        if k and not bool(self.classes.any(-1).all()):
+            raise ValueError("an allowed set is empty: no token could be placed there")
+        if pins is None:
+            return
+        n = min(pins.shape[1], self.index.shape[1])
+        pin, cls = pins[:, :n].cpu(), self.index[:, :n].cpu()
+        both = (pin >= 0) & (cls >= 0)
+        if both.any():
+            ok = self.classes.cpu()[cls[both], pin[both]]
+            if not bool(ok.all()):
+                r, i = both.nonzero()[int((~ok).nonzero()[0])].tolist()
+                raise ValueError(f"row {r}, position {i}: the pinned token {int(pin[r, i])} is not in its allowed set")
+
+    def to(self, device) -> Allowed:
+        return Allowed(self.classes.to(device), self.index.to(device))
+
+
+def token_mask(tokens: TokenSet, vocab_size: int, what: str = "allowed") -> torch.Tensor:
+    """A set of token ids (or a bool [V] mask) as a bool [V] mask; ValueError if empty or out of range."""
+    if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.bool:
+        if tokens.shape != (vocab_size,):
+            raise ValueError(f"{what}: a mask must have the vocabulary's {vocab_size} entries")
+        mask = tokens.cpu().clone()
+    else:
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{what} must be a collection of token ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[torch.tensor(ids, dtype=torch.long)] = True
+    if not bool(mask.any()):
+        raise ValueError(f"{what} is empty: no token could be placed there")
+    return mask
+
+
+def as_allowed(value, rows: int, vocab_size: int) -> Allowed | None:
+    """`allowed=` as given (an Allowed, one row's list of sets, or one list per row) as an Allowed."""
+    if value is None or isinstance(value, Allowed):
+        return value
+    if not isinstance(value, Sequence) or not value:
+        raise ValueError("allowed must be an Allowed, a list of token sets (None for any), or one such list per row")
+    one_row = not all(isinstance(r, Sequence) and not isinstance(r, str | bytes) and _is_row(r) for r in value)
+    return Allowed.from_sets([value] * rows if one_row else value, vocab_size)
+
+
+def _is_row(row: Sequence) -> bool:
+    """A row of sets (its items are None or collections), not one set of ids."""
+    return all(x is None or isinstance(x, Collection | torch.Tensor) for x in row) and not all(
+        isinstance(x, int) for x in row
     )
-    for event in drive(runner_for(runner, request), start(runner, request, cache)):
-        if isinstance(event, DoneEvent) and tokenizer is not None:
-            event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
-        yield event
-
-
-def generate(
-    model: DiffusionGemma | Runner, prompt, params: SamplingParams | None = None, on_event=None, **kwargs
-) -> GenerationResult:
-    """Generate and return the result (see `stream` for the arguments); `on_event(event)`, if given,
-    sees every event on the way (drafts, commits), e.g. to draw the canvas live."""
-    for event in stream(model, prompt, params, **kwargs):
-        if on_event is not None:
-            on_event(event)
-        if isinstance(event, DoneEvent):
-            return event.result
-    raise AssertionError("stream ended without a DoneEvent")

@@ -6,11 +6,13 @@ from collections.abc import Iterator
 
 import torch
 
-from .calls import DoneEvent
-from .generate import Event, SamplingParams, stream
-from .model import DiffusionGemma
-from .runtime.runner import Runner, as_runner
-from .vision import Pixels, image_blocks
+from ..model.model import DiffusionGemma
+from ..model.vision import Pixels, image_blocks
+from ..runtime.runner import Runner, as_runner
+from .engine import DoneEvent
+from .loop import Event
+from .programs import stream
+from .sampling import SamplingParams
 
 
 class Session:
@@ -19,7 +21,7 @@ class Session:
     Each turn takes the whole conversation as token ids (typically the chat template's rendering); only
     the part the cache does not hold yet is encoded. If the conversation no longer extends what is cached
     (for example a template that drops past thoughts), the cache is rebuilt from the start. `pixels` are
-    the images of the whole conversation in order (dgemma.images.chat_prompt gives both); a turn without
+    the images of the whole conversation in order (dgemma.chat_prompt gives both); a turn without
     them reuses the last ones given, and only the images of the part encoded are run.
     """
 

@@ -1,37 +1,33 @@
 """Infilling, editing and templates laid out and checked: pins, the infill canvas, the middle's length
 limit, an edit's span, and the read-only scores of prompts and canvases (docs/editing.md). Their programs,
-and the public `fill`, `infill` and `edit`, are in dgemma/programs.py.
+and the tasks Fill, Infill and Edit, are in dgemma/generation/programs.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .calls import DenoiseCall, DoneEvent, EncodeCall, ScoreCall, alternatives, run
-from .generate import GenerationResult
-from .model import DiffusionGemma
-from .runtime.runner import Runner, as_runner
+from ..model.model import DiffusionGemma
+from ..runtime.runner import Runner, as_runner
+from .engine import Answer, DenoiseCall, DoneEvent, EncodeCall, Program, ScoreCall, alternatives, run
+from .loop import GenerationResult, end_of_text_ids, left_pad
+from .sampling import RequestError, SamplingParams
 
 SCORED_SUFFIX = 32  # tokens after the middle (suffix, then end of text) scored when choosing its length
 
 
 def _check_ids(ids: list[int], vocab: int, what: str) -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ValueError(f"{what} must be a list of token ids")
+    """`ids` checked as token ids of the vocabulary; a RequestError names `what` (its first word)."""
+    param = what.split()[0]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError(f"{what} must be a list of token ids", param)
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        raise RequestError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
     return ids
-
-
-def _text_or_ids(value, tokenizer, what: str) -> list[int]:
-    if isinstance(value, str):
-        if tokenizer is None:
-            raise ValueError(f"a text {what} needs a tokenizer")
-        return tokenizer.encode(value, add_special_tokens=False)
-    return list(value)
 
 
 def _start_prompt(model: DiffusionGemma, prompt: list[int]) -> list[int]:
@@ -42,18 +38,6 @@ def _start_prompt(model: DiffusionGemma, prompt: list[int]) -> list[int]:
     if bos is None:
         raise ValueError("an empty prefix needs a bos_token_id in the config")
     return [bos]
-
-
-def end_of_text_ids(model: DiffusionGemma) -> list[int]:
-    """The token ids that end a text: generation_config.json's eos_token_id, else config.json's.
-
-    The first is the one infilling pins after the suffix; any of them ends a middle (`cut_at_end`).
-    """
-    eos = model.generation_config.eos_token_id
-    ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    if not ids:
-        raise ValueError("infilling pins end-of-text after the suffix and needs an eos_token_id in the config")
-    return list(ids)
 
 
 def max_middle_length(model: DiffusionGemma) -> int:
@@ -87,7 +71,7 @@ def infill_template(model: DiffusionGemma, suffix_ids: list[int], middle_length:
         raise ValueError(f"middle_length must be an integer in [1, {limit}] (got {middle_length!r})")
     suffix_ids = _check_ids(list(suffix_ids), model.text_config.vocab_size, "suffix")
     end = end_of_text_ids(model)[0]
-    return _infill_template(middle_length, suffix_ids, model.config.canvas_length, end)[0]
+    return infill_template_of(middle_length, suffix_ids, model.config.canvas_length, end)[0]
 
 
 def cut_at_end(model: DiffusionGemma, middle_ids: list[int]) -> list[int]:
@@ -99,30 +83,35 @@ def cut_at_end(model: DiffusionGemma, middle_ids: list[int]) -> list[int]:
     return next((list(middle_ids[:i]) for i, t in enumerate(middle_ids) if t in ends), list(middle_ids))
 
 
-def fill_rows(model: DiffusionGemma, template, prompt, overrides: dict) -> tuple[list[list[int]], torch.Tensor, dict]:
+def fill_rows(
+    model: DiffusionGemma, template, prompt, params: SamplingParams
+) -> tuple[list[list[int]], torch.Tensor, SamplingParams]:
     """A fill's templates checked and laid out: the prompts (one per template; an empty one is the BOS
     token), the templates as pins [rows, length], and the settings (stop tokens off unless given; the
     length is the template's, so `max_new_tokens` is refused)."""
     batch = template if template and isinstance(template[0], list) else [template]
     if not batch or not all(isinstance(t, list) and t for t in batch):
-        raise ValueError("template must be a non-empty list of token ids and None (holes)")
+        raise RequestError("template must be a non-empty list of token ids and None (holes)", "template")
     if len({len(t) for t in batch}) != 1:
-        raise ValueError("the templates of a batch must have the same length")
+        raise RequestError("the templates of a batch must have the same length", "template")
     vocab = model.text_config.vocab_size
     for i, t in enumerate(batch):
         _check_ids([x for x in t if x is not None], vocab, f"template {i}")
         if all(x is not None for x in t):
-            raise ValueError(f"template {i} has no hole (None) to fill")
+            raise RequestError(f"template {i} has no hole (None) to fill", "template")
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt or []] * len(batch)
     if len(prompts) != len(batch):
-        raise ValueError(f"{len(prompts)} prompts for {len(batch)} templates")
+        raise RequestError(f"{len(prompts)} prompts for {len(batch)} templates", "prompt")
     prompts = [_start_prompt(model, _check_ids(list(p), vocab, "prompt")) for p in prompts]
-    if "max_new_tokens" in overrides:
-        raise ValueError(
+    if params.max_new_tokens is not None:
+        raise RequestError(
             "max_new_tokens does not apply here: the template's length (for infill, the middle length) "
-            "decides how many tokens are generated"
+            "decides how many tokens are generated",
+            "max_tokens",
         )
-    return prompts, template_pins(batch), {"stop_token_ids": [], **overrides}
+    if params.stop_token_ids is None:
+        params = dataclasses.replace(params, stop_token_ids=[])
+    return prompts, template_pins(batch), params
 
 
 def template_pins(templates: list[list[int | None]]) -> torch.Tensor:
@@ -130,7 +119,7 @@ def template_pins(templates: list[list[int | None]]) -> torch.Tensor:
     return torch.tensor([[-1 if t is None else t for t in row] for row in templates], dtype=torch.long)
 
 
-def _infill_template(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
+def infill_template_of(middle: int, suffix: list[int], canvas: int, end: int) -> tuple[list[int | None], int]:
     """`infill_template` without a model (a middle of 0 gives a template without holes), and how many
     suffix tokens it shows."""
     visible = suffix[: max(canvas - middle, 0)]
@@ -148,6 +137,12 @@ class InfillResult:
     text: str | None = None
     middle_text: str | None = None
     row: int = 0  # the row of `result` the middle comes from
+
+    def answer(self) -> Answer:
+        details: dict = {"middle_length": self.middle_length}
+        if self.scores:
+            details["middle_scores"] = {str(n): round(s, 4) for n, s in self.scores.items()}
+        return Answer(None, self.middle, self.result, details, None, self.row)
 
 
 @dataclass
@@ -175,11 +170,9 @@ class InfillPlan:
 
 def plan_infill(
     model: DiffusionGemma | Runner,
-    prefix: list[int] | str,
-    suffix: list[int] | str,
+    prefix: list[int],
+    suffix: list[int],
     middle_length: int | str = "auto",
-    *,
-    tokenizer=None,
     length_score: str = "encoder",
     longest: int | None = None,
 ) -> InfillPlan:
@@ -189,25 +182,58 @@ def plan_infill(
     ValueErrors name what is wrong."""
     model = as_runner(model).model
     if length_score not in ("encoder", "denoiser"):
-        raise ValueError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})")
-    prefix = _check_ids(_text_or_ids(prefix, tokenizer, "prefix"), model.text_config.vocab_size, "prefix")
-    suffix = _check_ids(_text_or_ids(suffix, tokenizer, "suffix"), model.text_config.vocab_size, "suffix")
+        raise RequestError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})", "length_score")
+    prefix = _check_ids(list(prefix), model.text_config.vocab_size, "prefix")
+    suffix = _check_ids(list(suffix), model.text_config.vocab_size, "suffix")
     limit = infill_limit(model, suffix) if longest is None else max(1, min(longest, max_middle_length(model)))
     if middle_length == "auto":
         lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
     elif isinstance(middle_length, int) and not isinstance(middle_length, bool) and middle_length > 0:
         lengths = [min(middle_length, limit)]  # editors ask for 128-256: the most that still sees the suffix
     else:
-        raise ValueError(f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})")
+        message = f"middle_length must be 'auto' or an integer in [1, {limit}] (got {middle_length!r})"
+        raise RequestError(message, "middle_length")
     templates = [infill_template(model, suffix, n) for n in lengths]
     return InfillPlan(prefix, suffix, _start_prompt(model, prefix), lengths, templates, length_score)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scores: an infill's middle lengths, a prompt's tokens, a canvas's tokens
+
+
+def encoder_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+    """Mean encoder log-probability of each middle and the `SCORED_SUFFIX` tokens after it (the suffix, then
+    the end of text: with a short or empty suffix the model says whether the text can end there)."""
+    after = suffix + end_of_text_ids(model)[:1]
+    scored = yield ScoreCall(prompt, [m + after[:SCORED_SUFFIX] for m in middles])
+    return [float(lp.mean()) for lp in scored.logprobs]
+
+
+def denoiser_scores(model: DiffusionGemma, prompt: list[int], middles: list[list[int]], suffix: list[int]):
+    """Mean log-probability one denoising pass gives each middle and what follows it in the canvas of its
+    own (cut) length, `[middle | suffix | end-of-text ...]`: the middle, the visible suffix and the first
+    end-of-text pin when the canvas has one."""
+    canvas_length, end = model.config.canvas_length, end_of_text_ids(model)[0]
+    canvases, scored = [], []
+    for m in middles:
+        template, visible = infill_template_of(len(m), suffix, canvas_length, end)
+        canvases.append(m + template[len(m) :])
+        scored.append(min(len(m) + visible + 1, canvas_length))
+    rows = len(middles)
+    ids, _ = left_pad([prompt] * rows, 0, model.device)
+    cache = model.new_cache(rows, ids.shape[1])
+    yield EncodeCall(ids, cache)
+    canvas = torch.tensor(canvases, device=model.device)
+    logits = yield DenoiseCall(canvas, cache)
+    token_logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, canvas[..., None]).squeeze(-1)
+    return [float(token_logp[i, : scored[i]].mean()) for i in range(rows)]
 
 
 def prompt_logprobs_program(prompt: list[int], k: int = 0):
     """The causal encoder's log-probability of each prompt token given the ones before it (None for the
     first), and the k likeliest tokens at each position as (id, log-probability): one Score call over the
     whole prompt, what an evaluation harness reads from `echo` with `logprobs` (the encoder's co-loss
-    trained exactly this). A program (dgemma/calls.py)."""
+    trained exactly this). A program (dgemma/generation/engine.py)."""
     if not prompt:
         raise ValueError("prompt_logprobs needs a non-empty prompt")
     if len(prompt) == 1:
@@ -222,7 +248,7 @@ def prompt_logprobs(
     model: DiffusionGemma | Runner, prompt: list[int], k: int = 0
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     """`prompt_logprobs_program` run alone."""
-    return run(as_runner(model), prompt_logprobs_program(prompt, k))
+    return run(as_runner(model), Program(prompt_logprobs_program(prompt, k)))
 
 
 def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: list[int], k: int = 0):
@@ -250,25 +276,28 @@ def canvas_logprobs(
 ) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """`canvas_logprobs_program` run alone."""
     runner = as_runner(model)
-    return run(runner, canvas_logprobs_program(runner.model, prompt, canvas, k))
+    return run(runner, Program(canvas_logprobs_program(runner.model, prompt, canvas, k)))
 
 
 def plan_edit(
-    model: DiffusionGemma, ids: list[int] | str, span: tuple[int, int], new_length: int | None, tokenizer=None
+    model: DiffusionGemma, ids: list[int], span: tuple[int, int], new_length: int | None
 ) -> tuple[list[int], list[int], int]:
     """An edit checked and laid out as an infill: the prefix (before the span), the suffix (after it) and
     the replacement's length (the span's unless `new_length` says otherwise)."""
-    ids = _check_ids(_text_or_ids(ids, tokenizer, "text"), model.text_config.vocab_size, "text")
+    ids = _check_ids(list(ids), model.text_config.vocab_size, "text")
     if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
-        raise ValueError(f"span must be a (start, end) pair of token positions (got {span!r})")
+        raise RequestError(f"span must be a (start, end) pair of token positions (got {span!r})", "span")
     a, b = span
     if not 0 <= a <= b <= len(ids):
-        raise ValueError(f"span {span} is not within the text's {len(ids)} tokens (need 0 <= start <= end <= len)")
+        raise RequestError(
+            f"span {span} is not within the text's {len(ids)} tokens (need 0 <= start <= end <= len)", "span"
+        )
     n = (b - a) if new_length is None else new_length
     limit = max_middle_length(model)
     if not isinstance(n, int) or not 0 < n <= limit:
-        raise ValueError(
-            f"the replacement must have between 1 and {limit} tokens (got {n}); give new_length "
-            "for an insertion (an empty span)"
+        raise RequestError(
+            f"new_length: the replacement must have between 1 and {limit} tokens (got {n}); give new_length "
+            "for an insertion (an empty span)",
+            "new_length",
         )
     return ids[:a], ids[b:], n

@@ -19,11 +19,12 @@ a denoising pass exactly the keys an earlier point of the sequence had (the wind
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from .config import FULL, SLIDING, TextConfig
+from .config import FULL, SLIDING, LayerSpec, TextConfig
 
 
 class DenoiseCache(Protocol):
@@ -64,7 +65,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         keep_all: bool = False,
+        layers: Sequence[LayerSpec] | None = None,
     ):
+        """`layers`: the config's per-layer values, when the caller holds them already (a model does)."""
         if batch_size <= 0 or max_length <= 0:
             raise ValueError(f"batch_size and max_length must be positive (got {batch_size}, {max_length})")
         self.batch_size = batch_size
@@ -76,13 +79,14 @@ class KVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.is_sliding: list[bool] = []
-        for spec in config.layers:
-            ring = spec.is_sliding and not keep_all
+        for spec in config.layers if layers is None else layers:
+            sliding = spec.layer_type == SLIDING
+            ring = sliding and not keep_all
             slots = min(self.window - 1, max_length) if ring else max_length
             shape = (batch_size, spec.num_key_value_heads, slots, spec.head_dim)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.is_sliding.append(spec.is_sliding)
+            self.is_sliding.append(sliding)
         self._pending = 0  # tokens of the encode call in progress
         self.has_padding = False  # whether any written position is padding (decides if denoise needs masks)
         self.row_index: torch.Tensor | None = None  # set on read-only row views (see rows())
