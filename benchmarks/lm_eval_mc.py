@@ -114,7 +114,7 @@ def run_lm_eval(model: str, port: int, limit: int | None, out: Path) -> tuple[fl
 def direct(model: str, limit: int | None) -> tuple[float, list[int]]:
     """The same accuracy from dgemma's Python API: encoder log-probabilities of each choice's tokens."""
     import dgemma
-    from dgemma.generation.editing import prompt_logprobs
+    from dgemma.generation.programs import prompt_logprobs
 
     m, tok = dgemma.load(model, dtype="fp32"), dgemma.Tokenizer.from_dir(model)
     items = [json.loads(line) for line in DATA.read_text().splitlines()][:limit]

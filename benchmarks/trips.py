@@ -74,7 +74,7 @@ def _server_trips(trip: Trip, model, tok) -> dict[str, list[str]]:
 
     from dgemma.server.app import create_app
 
-    app = create_app(model, tok, model_name="code")
+    app = create_app(model, tok, model_name="trips")
     user = [{"role": "user", "content": "Write a function that adds two numbers."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     bodies = {
@@ -102,6 +102,24 @@ def _server_trips(trip: Trip, model, tok) -> dict[str, list[str]]:
     return out
 
 
+def measure(model, tok) -> dict[str, list[str]]:
+    """Each trip's files, in order of first entry (the server's trips on a fresh app of `model`)."""
+    trip = Trip()
+    threading.setprofile(trip)  # threads started from now on: the engine's, the tokenizer's workers
+    sys.setprofile(trip)
+    try:
+        trips = _server_trips(trip, model, tok)
+        schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "city": {"type": "string", "maxLength": 9}}}
+        trip.start()
+        dgemma.generate_json(model, "Name a person.", schema, tokenizer=tok, max_denoising_steps=2)  # not cached
+        trip.on = False
+        trips["generate_json"] = list(trip.files)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return trips
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "code-ar"))
@@ -109,19 +127,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from dgemma.checkpoints.tokenizer import Tokenizer
 
-    model = dgemma.load(args.model)
-    tok = Tokenizer.from_dir(args.model)
-    trip = Trip()
-    threading.setprofile(trip)  # threads started from now on: the engine's, the tokenizer's workers
-    sys.setprofile(trip)
-    trips = _server_trips(trip, model, tok)
-    trip.start()
-    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "city": {"type": "string", "maxLength": 9}}}
-    dgemma.generate_json(model, "Name a person.", schema, tokenizer=tok, max_denoising_steps=2)  # not cached
-    trip.on = False
-    trips["generate_json"] = list(trip.files)
-    sys.setprofile(None)
-    threading.setprofile(None)
+    trips = measure(dgemma.load(args.model), Tokenizer.from_dir(args.model))
     print(f"{'trip':<16} {'files':>5}")
     for name, files in trips.items():
         print(f"{name:<16} {len(files):>5}" + (f"  {' > '.join(files)}" if args.list else ""))

@@ -18,7 +18,7 @@ import torch
 
 from .generation.engine import DoneEvent, DraftEvent
 from .generation.loop import prompt_rows
-from .generation.programs import stream
+from .generation.programs import resolved, stream
 from .generation.sampling import SamplingParams
 from .runtime.runner import Runner, as_runner
 
@@ -197,10 +197,7 @@ def trace(
         pinned = np.pad(window >= 0, (0, c - window.shape[0]))
         content = np.arange(c) < len(tokens) - k * c
         canvases.append(canvas_trace(k, drafts, accepted, entropy, confidence, pinned, content))
-    m = runner.model
     settings = {k: v for k, v in kwargs.items() if k in {f.name for f in dataclasses.fields(SamplingParams)}}
-    p = dataclasses.replace(params or SamplingParams(), **settings).resolve(
-        m.generation_config, m.text_config.eos_token_ids
-    )
+    p = resolved(runner.model, params or SamplingParams(), **settings)
     text = None if tokenizer is None else tokenizer.decode(tokens)
     return Trace(rows[0], tokens, canvases, p.max_denoising_steps, text)

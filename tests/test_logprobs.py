@@ -12,8 +12,8 @@ from helpers import generate_steps, load_quiet
 from live_server import KEY
 
 import dgemma
-from dgemma.generation.editing import canvas_logprobs, prompt_logprobs
 from dgemma.generation.engine import DenoiseCall, DoneEvent, EncodeCall, answer, score
+from dgemma.generation.programs import canvas_logprobs, prompt_logprobs
 from dgemma.runtime.runner import as_runner
 
 KW = dict(max_denoising_steps=4, seed=0, stop_token_ids=[])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hostile import HOSTILE, PARAMS, is_openai_error, replay  # noqa: E402
+from hostile import HOSTILE, ISSUE_56, PARAMS, is_openai_error, replay  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from live_server import KEY  # noqa: E402
 
@@ -66,6 +66,22 @@ def test_hostile_request_is_a_4xx(server, name, path, body, statuses):
     )
     if name in PARAMS:
         assert (response.json()["error"]["param"] or "").startswith(PARAMS[name]), response.text[:300]
+
+
+def _submitted(server) -> float:
+    """The requests the server's engine has been given (its /metrics counter)."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("dgemma_requests_total")))
+
+
+@pytest.mark.parametrize("name, path, body, statuses", ISSUE_56, ids=[h[0] for h in ISSUE_56])
+def test_errors_knowable_before_a_pass_never_reach_the_engine(server, name, path, body, statuses):
+    """Issue 56: each is a 400 naming its field, streamed or not, and the engine never sees the request
+    (no program is submitted, so no model pass runs for it)."""
+    before = _submitted(server)
+    response = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == PARAMS[name], response.text
+    assert _submitted(server) == before
 
 
 def test_hostile_requests_under_concurrent_streams(server):

@@ -21,16 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ..images import (
-    DEFAULT_BUDGET,
-    VIDEO_FRAME_BUDGET,
-    VIDEO_MARKER,
-    expand_image_tokens,
-    frames_text,
-    geometry,
-    image_token_strings,
-    preprocess,
-)
+from .. import images
 from ..model.vision import Pixels
 from .gguf_file import gguf_path, read_tokenizer
 
@@ -379,7 +370,7 @@ def media_of(messages: list[dict]) -> list[tuple[str, object, float | None]]:
     return found
 
 
-def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_BUDGET, **template_kwargs):
+def chat_prompt(tokenizer, config, messages: list[dict], budget: int = images.DEFAULT_BUDGET, **template_kwargs):
     """Token ids of chat messages rendered by the checkpoint's template, image and video parts included,
     and their Pixels (None without any): images at `budget`, video frames at VIDEO_FRAME_BUDGET, both cut as
     the checkpoint's vision_config says."""
@@ -387,23 +378,23 @@ def chat_prompt(tokenizer, config, messages: list[dict], budget: int = DEFAULT_B
     text = tokenizer.render_chat(messages, **template_kwargs)
     if not found:
         return tokenizer.encode(text, add_special_tokens=False), None
-    tokens = image_token_strings(tokenizer, config)
-    cut = geometry(config)
+    tokens = images.image_token_strings(tokenizer, config)
+    cut = images.geometry(config)
     groups, pieces = [], []
     rest = text
     for kind, source, fps in found:
-        marker = tokens[1] if kind == "image" else VIDEO_MARKER
+        marker = tokens[1] if kind == "image" else images.VIDEO_MARKER
         head, sep, rest = rest.partition(marker)
         if not sep:
             raise ValueError(f"the chat template wrote fewer {kind} tokens than the messages have {kind}s")
         if kind == "image":
-            pixels, counts = preprocess([source], budget, **cut)
-            pieces += [head, expand_image_tokens(marker, counts, tokens)]
+            pixels, counts = images.preprocess([source], budget, **cut)
+            pieces += [head, images.expand_image_tokens(marker, counts, tokens)]
         else:
-            pixels, counts = preprocess(source, VIDEO_FRAME_BUDGET, what="video frame", **cut)
-            pieces += [head, frames_text(counts, fps, tokens)]
+            pixels, counts = images.preprocess(source, images.VIDEO_FRAME_BUDGET, what="video frame", **cut)
+            pieces += [head, images.frames_text(counts, fps, tokens)]
         groups.append(pixels)
-    if tokens[1] in rest or VIDEO_MARKER in rest:
+    if tokens[1] in rest or images.VIDEO_MARKER in rest:
         raise ValueError("the prompt has more image or video tokens than the messages have images and videos")
     ids = tokenizer.encode("".join(pieces) + rest, add_special_tokens=False)  # the template wrote BOS
     return ids, Pixels.cat(groups)

@@ -8,8 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..generation.choose import choose, tool_call
-from ..generation.loop import GenerationResult
+from ..generation.choose import ToolCall, choose, tool_call
 from ..generation.programs import MAX_RETRIES, generate_json
 from ..structured import DEFAULT_RETRIES
 from .common import read_text, sampling_overrides
@@ -79,24 +78,22 @@ def check_answer_args(args: argparse.Namespace) -> None:
 
 
 def answer_shaped(runner, tokenizer, ids: list[int], pixels, args: argparse.Namespace, schema, tools):
-    """Run the shaped answer asked for: its generation (None when nothing was generated: an option
-    chosen, a call without arguments), its text and what to report with it; None when none was asked."""
+    """Run the shaped answer asked for: its generation (None when nothing was generated: an option chosen,
+    a call without arguments), its text and what to report with it (the answer's details); None when none
+    was asked."""
     kw = dict(tokenizer=tokenizer, **sampling_overrides(args))
     if schema is not None:
         out = generate_json(runner, ids, schema, retries=args.retries, pixels=pixels, **kw)
         extra = {"json": out.value, "attempts": out.attempts, "steps": out.steps}
-        result, text = out.result, out.text
     elif args.tool_choice:
         name = None if args.tool_choice == "required" else args.tool_choice
-        call = tool_call(runner, ids, tools, name=name, retries=args.retries, pixels=pixels, **kw)
-        if isinstance(call, GenerationResult):  # auto, and the model answered with text
-            return call, call.text[0], {"tool_call": None}
-        extra = {"tool_call": {"name": call.name, "arguments": call.arguments}, "scores": call.scores}
-        result, text = (call.json.result if call.json else None), call.text
+        out = tool_call(runner, ids, tools, name=name, retries=args.retries, pixels=pixels, **kw)
+        call = out if isinstance(out, ToolCall) else None  # auto: the model may answer with text
+        extra = {"tool_call": call and {"name": call.name, "arguments": call.arguments}, "scores": call and call.scores}
     elif args.choices:
-        chosen = choose(runner, ids, list(args.choices), tokenizer=tokenizer)
-        extra = {"choice_index": chosen.index, "choice_scores": chosen.scores}
-        result, text = None, chosen.option
+        out, extra = choose(runner, ids, list(args.choices), tokenizer=tokenizer), {}
     else:
         return None
-    return result, text, extra
+    answer = out.answer()
+    text = answer.text if answer.text is not None else tokenizer.decode(answer.tokens)
+    return answer.generation, text, {**answer.details, **extra}

@@ -26,8 +26,8 @@ from .programs import (
     Json,
     JsonResult,
     SchemaRefused,
-    check_ids,
     check_json_options,
+    check_rows,
     context_of,
     fast_only,
     json_program,
@@ -60,18 +60,11 @@ def option_ids(model: DiffusionGemma, options: list, tokenizer=None) -> list[lis
     """Options (texts, with `tokenizer`, or token ids) as token ids, checked."""
     if not isinstance(options, list) or not 0 < len(options) <= MAX_OPTIONS:
         raise RequestError(f"options must be a list of 1 to {MAX_OPTIONS} options", "options")
-    vocab, out = model.text_config.vocab_size, []
-    for i, option in enumerate(options):
-        if isinstance(option, str):
-            if tokenizer is None:
-                raise RequestError("text options need a tokenizer", "options")
-            ids = tokenizer.encode(option, add_special_tokens=False)
-        else:
-            ids = list(option)
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise RequestError(f"option {i} must be a non-empty text or a list of token ids in [0, {vocab})", "options")
-        out.append(ids)
-    return out
+    if tokenizer is None and any(isinstance(o, str) for o in options):
+        raise RequestError("text options need a tokenizer", "options")
+    ids = [tokenizer.encode(o, add_special_tokens=False) if isinstance(o, str) else list(o) for o in options]
+    check_rows(ids, model, "options", "option")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -92,7 +85,7 @@ class Choose:
     def check(self, model: DiffusionGemma, context: int | None = None) -> Choose:
         if self.pixels is not None:
             raise RequestError("options are scored on text prompts (leave out the images)", "options")
-        check_ids([self.prompt], model, "prompt")
+        check_rows([self.prompt], model, "prompt")
         ids = option_ids(model, self.options, self.tokenizer)
         longest = max(map(len, ids))
         if self.max_tokens is not None and longest > self.max_tokens:
@@ -177,7 +170,7 @@ class Call:
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Call:
         check_json_options(self.retries, self.size)
-        check_ids([self.prompt], model, "prompt")
+        check_rows([self.prompt], model, "prompt")
         fast_only(resolved(model, self.params, early_commit=False), "constrained positions (a tool call)")
         plans = tool_plans(model, self.tokenizer, self.tools)
         names = [n for n, _ in plans]
@@ -221,7 +214,7 @@ class Auto(Call):
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Auto:
         check_json_options(self.retries, self.size)
-        check_ids([self.prompt], model, "prompt")
+        check_rows([self.prompt], model, "prompt")
         n = length(model, self.params.max_new_tokens, len(self.prompt), context)
         call = Call(self.prompt, self.tools, self.tokenizer, None, dataclasses.replace(self.params, max_new_tokens=n))
         call = dataclasses.replace(call, retries=self.retries, size=self.size, pixels=self.pixels).check(model, context)

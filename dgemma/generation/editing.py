@@ -12,22 +12,11 @@ import torch
 
 from ..model.model import DiffusionGemma
 from ..runtime.runner import Runner, as_runner
-from .engine import Answer, DenoiseCall, DoneEvent, EncodeCall, Program, ScoreCall, alternatives, run
-from .loop import GenerationResult, end_of_text_ids, left_pad
+from .engine import Answer, DenoiseCall, DoneEvent, EncodeCall, ScoreCall, alternatives
+from .loop import GenerationResult, check_ids, end_of_text_ids, left_pad
 from .sampling import RequestError, SamplingParams
 
 SCORED_SUFFIX = 32  # tokens after the middle (suffix, then end of text) scored when choosing its length
-
-
-def _check_ids(ids: list[int], vocab: int, what: str) -> list[int]:
-    """`ids` checked as token ids of the vocabulary; a RequestError names `what` (its first word)."""
-    param = what.split()[0]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise RequestError(f"{what} must be a list of token ids", param)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise RequestError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
-    return ids
 
 
 def _start_prompt(model: DiffusionGemma, prompt: list[int]) -> list[int]:
@@ -69,7 +58,7 @@ def infill_template(model: DiffusionGemma, suffix_ids: list[int], middle_length:
     limit = max_middle_length(model)
     if isinstance(middle_length, bool) or not isinstance(middle_length, int) or not 0 < middle_length <= limit:
         raise ValueError(f"middle_length must be an integer in [1, {limit}] (got {middle_length!r})")
-    suffix_ids = _check_ids(list(suffix_ids), model.text_config.vocab_size, "suffix")
+    suffix_ids = check_ids(list(suffix_ids), model.text_config.vocab_size, "suffix")
     end = end_of_text_ids(model)[0]
     return infill_template_of(middle_length, suffix_ids, model.config.canvas_length, end)[0]
 
@@ -96,13 +85,13 @@ def fill_rows(
         raise RequestError("the templates of a batch must have the same length", "template")
     vocab = model.text_config.vocab_size
     for i, t in enumerate(batch):
-        _check_ids([x for x in t if x is not None], vocab, f"template {i}")
+        check_ids([x for x in t if x is not None], vocab, f"template {i}")
         if all(x is not None for x in t):
             raise RequestError(f"template {i} has no hole (None) to fill", "template")
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt or []] * len(batch)
     if len(prompts) != len(batch):
         raise RequestError(f"{len(prompts)} prompts for {len(batch)} templates", "prompt")
-    prompts = [_start_prompt(model, _check_ids(list(p), vocab, "prompt")) for p in prompts]
+    prompts = [_start_prompt(model, check_ids(list(p), vocab, "prompt")) for p in prompts]
     if params.max_new_tokens is not None:
         raise RequestError(
             "max_new_tokens does not apply here: the template's length (for infill, the middle length) "
@@ -183,8 +172,8 @@ def plan_infill(
     model = as_runner(model).model
     if length_score not in ("encoder", "denoiser"):
         raise RequestError(f"length_score must be 'encoder' or 'denoiser' (got {length_score!r})", "length_score")
-    prefix = _check_ids(list(prefix), model.text_config.vocab_size, "prefix")
-    suffix = _check_ids(list(suffix), model.text_config.vocab_size, "suffix")
+    prefix = check_ids(list(prefix), model.text_config.vocab_size, "prefix")
+    suffix = check_ids(list(suffix), model.text_config.vocab_size, "suffix")
     limit = infill_limit(model, suffix) if longest is None else max(1, min(longest, max_middle_length(model)))
     if middle_length == "auto":
         lengths = [n for n in (2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= limit] or [limit]
@@ -233,9 +222,7 @@ def prompt_logprobs_program(prompt: list[int], k: int = 0):
     """The causal encoder's log-probability of each prompt token given the ones before it (None for the
     first), and the k likeliest tokens at each position as (id, log-probability): one Score call over the
     whole prompt, what an evaluation harness reads from `echo` with `logprobs` (the encoder's co-loss
-    trained exactly this). A program (dgemma/generation/engine.py)."""
-    if not prompt:
-        raise ValueError("prompt_logprobs needs a non-empty prompt")
+    trained exactly this). The program of a checked Score task (dgemma/generation/programs.py)."""
     if len(prompt) == 1:
         yield DoneEvent(([None], [None]))
         return
@@ -244,24 +231,12 @@ def prompt_logprobs_program(prompt: list[int], k: int = 0):
     yield DoneEvent(([None, *scored.logprobs[0].tolist()], [None, *top]))
 
 
-def prompt_logprobs(
-    model: DiffusionGemma | Runner, prompt: list[int], k: int = 0
-) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """`prompt_logprobs_program` run alone."""
-    return run(as_runner(model), Program(prompt_logprobs_program(prompt, k)))
-
-
 def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: list[int], k: int = 0):
     """A read-only denoising pass: the canvas is read as it is (nothing sampled, nothing renoised, no
     self-conditioning), and each of its tokens gets the denoiser's log-probability there, with the k
     likeliest tokens at each position. A canvas shorter than the model's is followed by end-of-text
-    tokens, as an infill's is (those are not reported); a longer one is refused. A program."""
-    c = model.config.canvas_length
-    vocab = model.text_config.vocab_size
-    prompt, canvas = _check_ids(list(prompt), vocab, "prompt"), _check_ids(list(canvas), vocab, "canvas")
-    if not prompt or not 0 < len(canvas) <= c:
-        raise ValueError(f"canvas_logprobs needs a prompt and a canvas of 1 to {c} tokens")
-    full = canvas + end_of_text_ids(model)[:1] * (c - len(canvas))
+    tokens, as an infill's is (those are not reported). The program of a checked Score task."""
+    full = canvas + end_of_text_ids(model)[:1] * (model.config.canvas_length - len(canvas))
     cache = model.new_cache(1, len(prompt))
     yield EncodeCall(torch.tensor([prompt], device=model.device), cache)
     ids = torch.tensor([full], device=model.device)
@@ -271,20 +246,12 @@ def canvas_logprobs_program(model: DiffusionGemma, prompt: list[int], canvas: li
     yield DoneEvent((chosen, alternatives(logp, k)))
 
 
-def canvas_logprobs(
-    model: DiffusionGemma | Runner, prompt: list[int], canvas: list[int], k: int = 0
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """`canvas_logprobs_program` run alone."""
-    runner = as_runner(model)
-    return run(runner, Program(canvas_logprobs_program(runner.model, prompt, canvas, k)))
-
-
 def plan_edit(
     model: DiffusionGemma, ids: list[int], span: tuple[int, int], new_length: int | None
 ) -> tuple[list[int], list[int], int]:
     """An edit checked and laid out as an infill: the prefix (before the span), the suffix (after it) and
     the replacement's length (the span's unless `new_length` says otherwise)."""
-    ids = _check_ids(list(ids), model.text_config.vocab_size, "text")
+    ids = check_ids(list(ids), model.text_config.vocab_size, "text")
     if not (isinstance(span, tuple | list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
         raise RequestError(f"span must be a (start, end) pair of token positions (got {span!r})", "span")
     a, b = span

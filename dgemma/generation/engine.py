@@ -140,10 +140,6 @@ class Answer:
     finish_reason: str | None = None
     row: int = 0
 
-    @property
-    def tokens_generated(self) -> int:
-        return 0 if self.generation is None else sum(len(t) for t in self.generation.tokens)
-
 
 @dataclass
 class DoneEvent:
@@ -511,7 +507,8 @@ class Engine:
                 if isinstance(item, DoneEvent):
                     self.stats.requests_finished += 1
                     answer = getattr(item.result, "answer", None)  # a score's result is not an answer
-                    self.stats.tokens_generated += 0 if answer is None else answer().tokens_generated
+                    generation = None if answer is None else answer().generation
+                    self.stats.tokens_generated += 0 if generation is None else sum(map(len, generation.tokens))
                 request.events.put(item)
         except StopIteration:
             request._call = None

@@ -13,8 +13,10 @@ This is the fast loop (mode "fast", the default): one full-vocabulary buffer per
 tokens are accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and
 it can pin positions (infilling, editing, templates), constrain them, and stream a canvas's leading tokens
 early. Mode "exact" reproduces transformers' `generate` operation for operation and random draw for
-random draw, so the same seed gives the same token ids: it is its own program, dgemma/generation/reference.py, on
-the reference modules; `prepare` returns one or the other. Both compute the same distribution.
+random draw, so the same seed gives the same token ids: it is its own program, reference.py, on the
+reference modules; the Generate task (programs.py) runs one or the other. Both compute the same
+distribution. Here too: prompts as rows, what a request produces (Output, its events and result), and
+the tokens each position may hold (Allowed).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import torch
 from ..images import DEFAULT_BUDGET, text_prompt
 from ..model.kv_cache import KVCache
 from ..model.model import DiffusionGemma
-from .engine import Answer, DenoiseCall, DoneEvent, DraftEvent, EncodeCall, ModelCall, TokensEvent, drive  # noqa: F401 (public here)
-from .sampling import (  # noqa: F401 (the settings live in settings.py; both are public here too)
-    MODES,
+from .engine import Answer, DenoiseCall, DoneEvent, DraftEvent, EncodeCall, ModelCall, TokensEvent
+from .sampling import (
+    RequestError,
     SamplingParams,
     StableAndConfident,
     fast_transition,
@@ -341,6 +343,18 @@ def with_images(model: DiffusionGemma, prompt, tokenizer, pixels, images, budget
         raise ValueError("images= goes with a text prompt (one image token per image) and tokenizer=")
     model.check_vision()  # before reading and preprocessing the images
     return text_prompt(tokenizer, model.config, prompt, list(images), DEFAULT_BUDGET if budget is None else budget)
+
+
+def check_ids(ids: list[int], vocab: int, what: str, param: str | None = None) -> list[int]:
+    """`ids` checked as token ids of the vocabulary; a RequestError names `param` (default: `what`'s first
+    word)."""
+    param = param or what.split()[0]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError(f"{what} must be a list of token ids", param)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+    return ids
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:

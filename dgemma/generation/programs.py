@@ -40,6 +40,7 @@ from .editing import (
     plan_edit,
     plan_infill,
     prompt_logprobs_program,
+    template_pins,
 )
 from .engine import (
     Answer,
@@ -61,6 +62,7 @@ from .loop import (
     Output,
     as_allowed,
     cache_for,
+    check_ids,
     context_room,
     end_of_text_ids,
     left_pad,
@@ -71,7 +73,6 @@ from .loop import (
 from .reference import reference_program
 from .sampling import RequestError, SamplingParams
 
-MAX_OPTIONS = 64
 MAX_RETRIES = 8
 CONTEXT = "context_length_exceeded"  # the code of a RequestError about the context's room
 
@@ -136,14 +137,13 @@ def resolved(model: DiffusionGemma, params: SamplingParams, **fields) -> Samplin
     return dataclasses.replace(params, **fields).resolve(model.generation_config, text_ends(model))
 
 
-def check_ids(rows: list[list[int]], model: DiffusionGemma, param: str) -> None:
-    vocab = model.text_config.vocab_size
+def check_rows(rows: list[list[int]], model: DiffusionGemma, param: str, what: str | None = None) -> None:
+    """Each row a non-empty list of token ids of the vocabulary (a RequestError naming `param`; the message
+    names row i as `what i`)."""
     for i, row in enumerate(rows):
-        if not row or not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
-            raise RequestError(f"{param} {i} must be a non-empty list of token ids", param)
-        bad = [t for t in row if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"{param} {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+        if not row:
+            raise RequestError(f"{what or param} {i} must be a non-empty list of token ids", param)
+        check_ids(row if isinstance(row, list) else None, model.text_config.vocab_size, f"{what or param} {i}", param)
 
 
 def fast_only(params: SamplingParams, what: str) -> None:
@@ -183,7 +183,7 @@ class Generate:
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Generate:
         """The task with its settings resolved and its length decided; a RequestError names what is wrong."""
-        check_ids(self.prompt, model, "prompt")
+        check_rows(self.prompt, model, "prompt")
         fixed = None if self.pins is None else self.pins.shape[1]  # a fill: the template's length
         n = length(model, self.params.max_new_tokens if fixed is None else fixed, max(map(len, self.prompt)), context)
         p = resolved(model, self.params, max_new_tokens=n)
@@ -516,7 +516,7 @@ class Json:
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Json:
         check_json_options(self.retries, self.size)
-        check_ids([self.prompt], model, "prompt")
+        check_rows([self.prompt], model, "prompt")
         asked = self.params.max_new_tokens
         fast_only(resolved(model, self.params, early_commit=False), "constrained positions (a JSON answer)")
         try:
@@ -574,7 +574,7 @@ def json_program(model: DiffusionGemma, stats, task: Json) -> Generator:
 def _filled(model: DiffusionGemma, plan: JsonPlan, prompt: list[int], params: SamplingParams, pixels) -> Generate:
     """The fill of a plan's template: its pins and allowed tokens, stop tokens off (laid out by the plan
     within the limit the task checked)."""
-    pins = torch.tensor([[-1 if t is None else t for t in plan.template]], dtype=torch.long)
+    pins = template_pins([plan.template])
     params = dataclasses.replace(params, max_new_tokens=pins.shape[1], stop_token_ids=[])
     logprobs = MAX_LOGPROBS if plan.scored else None  # what a pattern's reader chooses by
     allowed = as_allowed(plan.allowed, 1, model.text_config.vocab_size)
@@ -685,14 +685,14 @@ class Score:
     work: ClassVar[str | None] = None
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Score:
-        check_ids([self.prompt], model, "prompt")
+        check_rows([self.prompt], model, "prompt")
         if model.config.image_token_id in self.prompt:
             raise RequestError("prompt holds image placeholders, and a score takes no images", "prompt")
         if self.canvas is not None:
-            check_ids([self.canvas], model, "canvas")
+            check_rows([self.canvas], model, "canvas")
             c = model.config.canvas_length
             if len(self.canvas) > c:
-                raise RequestError(f"canvas has {len(self.canvas)} tokens, more than one canvas of {c}", "canvas")
+                raise RequestError(f"canvas has {len(self.canvas)} tokens: a canvas of 1 to {c} tokens", "canvas")
             room(model, len(self.prompt), context)
         elif len(self.prompt) > context_of(model, context):
             raise RequestError(
@@ -706,10 +706,23 @@ class Score:
         return Program(canvas_logprobs_program(model, self.prompt, self.canvas, self.top), False, len(self.prompt))
 
 
+def prompt_logprobs(model: DiffusionGemma | Runner, prompt: list[int], k: int = 0) -> tuple[list, list]:
+    """Each prompt token's log-probability under the causal encoder (None for the first) and the k
+    likeliest tokens at each position (the Score task without a canvas)."""
+    runner = as_runner(model)
+    return run(runner, library_checked(Score(list(prompt), None, k), runner.model).program(runner.model))
+
+
+def canvas_logprobs(model: DiffusionGemma | Runner, prompt: list[int], canvas: list[int], k: int = 0) -> tuple:
+    """Each canvas token's log-probability under one read-only denoising pass after `prompt` and the k
+    likeliest tokens at each position (the Score task)."""
+    runner = as_runner(model)
+    return run(runner, library_checked(Score(list(prompt), list(canvas), k), runner.model).program(runner.model))
+
+
 class Task(Protocol):
-    """What every task offers (here, and Choose, Call and Auto in choose.py): `check` against a model and a
-    context (the checked task, or a RequestError naming its field), `program` of a checked task, and how a
-    server runs its check (`work`: inline, "tokenize" or "compile", off the event loop)."""
+    """What every task offers (here, and in choose.py): `check` against a model and a context, `program` of a
+    checked task, and how a server runs its check (`work`: inline, "tokenize" or "compile" off the loop)."""
 
     work: ClassVar[str | None]
 

@@ -1,5 +1,5 @@
 """Pure tensor functions of one denoising step: temperature, per-position statistics, acceptance, drawing,
-renoising, and the stop rule. The canvas loop that strings them together lives in generate.py.
+renoising, and the stop rule. The canvas loop that strings them together lives in loop.py.
 
 Two families:
 
@@ -392,7 +392,6 @@ def fast_transition(
 
 
 MODES = ("fast", "exact")
-SAMPLER_NAMES = ("entropy-bound", "confidence", "fixed")  # dgemma.generation.sampling.SAMPLERS' keys (tested)
 # the settings a checkpoint's generation_config.json supplies when a call leaves them None
 CHECKPOINT_DEFAULTED = (
     "max_new_tokens",
@@ -441,7 +440,7 @@ class SamplingParams:
         None, "stop rule: ... and its mean entropy below this", low=0.0, high=100.0, open_low=True, kind=float
     )
     stop_token_ids: list[int] | None = None  # default: the generation config's eos_token_id
-    sampler: str = _setting("entropy-bound", "which positions a step accepts", choices=SAMPLER_NAMES, kind=str)
+    sampler: str = _setting("entropy-bound", "which positions a step accepts", choices=tuple(SAMPLERS), kind=str)
     confidence: float = _setting(
         0.9, "confidence sampler: accept positions with p(top) at least this", low=0.0, high=1.0, open_low=True,
         kind=float,
@@ -485,13 +484,9 @@ class SamplingParams:
         return p
 
     def make_sampler(self):
-        """The acceptance rule these settings name (see dgemma.generation.sampling)."""
-
-        if self.sampler == "entropy-bound":
-            return SAMPLERS[self.sampler](self.entropy_bound)
-        if self.sampler == "confidence":
-            return SAMPLERS[self.sampler](self.confidence)
-        return SAMPLERS[self.sampler](self.tokens_per_step)
+        """The acceptance rule these settings name (SAMPLERS, above), with its own setting."""
+        own = {"entropy-bound": self.entropy_bound, "confidence": self.confidence, "fixed": self.tokens_per_step}
+        return SAMPLERS[self.sampler](own[self.sampler])
 
 
 # name -> metadata (help, low, high, open_low, choices, kind) of every setting

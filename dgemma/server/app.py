@@ -8,12 +8,12 @@ POST /v1/chat/completions   chat (messages), streaming or not; diffusion setting
 POST /v1/completions        text completion (one prompt or several); with `suffix`, infilling
 
 A request crosses one path: the guard (host, key, body bounds; guard.py), the request model (types and
-ranges; protocol.py), then its route (routes.py): the prompt is bounded in characters before it is
-tokenised (on a worker thread, not the event loop), checked against the context (served.py), its
-sampling settings resolved against the checkpoint's defaults (a 400 before anything is queued or
-streamed), and its programs (dgemma/generation/programs.py, one per choice) submitted to the engine (choices.py),
-whose pieces are sent as SSE chunks or gathered into one JSON answer (answers.py). This module makes
-the app: the engine, the guard, the error shapes, the info routes and /docs.
+ranges; protocol.py), then its route (routes.py): the fields that do not go together refused, the prompt
+bounded in characters and tokenised (on a worker thread, not the event loop), the body mapped to one task
+(dgemma/generation/programs.py) and checked (a 400 naming the field before anything is queued or
+streamed), a program per choice submitted to the engine, and the pieces (runs.py) sent as SSE chunks or
+gathered into one JSON answer (answers.py). This module makes the app: the engine, the guard, the error
+shapes, the info routes and /docs.
 """
 
 from __future__ import annotations

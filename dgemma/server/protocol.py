@@ -17,11 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..generation.choose import MAX_OPTIONS  # `choices`: the options of one request
 from ..generation.loop import MAX_LOGPROBS
-from ..generation.programs import (  # `choices`: options of one request; retries of a JSON answer
-    MAX_OPTIONS,
-    MAX_RETRIES,
-)
+from ..generation.programs import MAX_RETRIES  # of a JSON answer
 from ..generation.sampling import SETTINGS, SamplingParams
 from ..images import SOFT_TOKEN_BUDGETS
 from ..structured.tokens import MAX_VALUE_DEPTH, JsonRefused, first_problem, loads
@@ -371,63 +369,30 @@ class DiffusionSettings(_Body):
         shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
         raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
 
-    @model_validator(mode="after")
-    def _choices_alone(self):
-        """With `choices` nothing is sampled: a setting that would shape a sampled answer is refused."""
-        if self.choices is None:
-            return self
-        bad = sorted(self.model_fields_set - _WITH_CHOICES - set(_NO_OP_VALUES))
-        if self.n != 1:
-            bad = ["n", *bad]
-        if bad:
-            message = "{name}: does not apply with choices (the answer is the best-scored option)"
-            raise PydanticCustomError("choices", message, {"name": bad[0]})
-        return self
-
-    @model_validator(mode="after")
-    def _retries_need_checked_answers(self):
-        if self.retries is None:
-            return self
-        json_answer = self.response_format is not None and self.response_format.type != "text"
-        if not (json_answer or getattr(self, "forced_call", False)):
-            message = "retries: apply to answers that are validated (a JSON response_format, a required tool call)"
-            raise PydanticCustomError("retries", message, {"name": "retries"})
-        return self
-
-    @model_validator(mode="after")
-    def _json_needs_whole_answers(self):
-        kind = None if self.response_format is None else self.response_format.type
-        if kind in ("json_object", "json_schema") and self.stop:
-            raise PydanticCustomError(
-                "stop", "stop: does not apply with a JSON response_format (the JSON ends itself)", {"name": "stop"}
+    def conflict(self) -> tuple[str, str] | None:
+        """The first field that does not go with the others and why, as (param, message): a route answers
+        it as a 400 before any work, streamed or not (the validators above check types and ranges)."""
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        if self.choices is not None:
+            bad = ["n"] * (self.n != 1) + sorted(self.model_fields_set - _WITH_CHOICES - set(_NO_OP_VALUES))
+            if bad:
+                return bad[0], f"{bad[0]}: does not apply with choices (the answer is the best-scored option)"
+        if self.retries is not None and not (json_format or getattr(self, "forced_call", False)):
+            return (
+                "retries",
+                "retries: apply to answers that are validated (a JSON response_format, a required tool call)",
             )
-        return self
-
-    @model_validator(mode="after")
-    def _logprobs_whole(self):
-        """Log-probabilities come with whole answers: not streamed, not with answers a finish rewrites."""
-        if not self.wants_logprobs:
-            return self
-        other = "stream" if self.stream else None
-        if self.response_format is not None and self.response_format.type != "text":
-            other = "response_format"
-        if getattr(self, "suffix", None) is not None:
-            other = "suffix"
-        if other is not None:
-            message = "logprobs: not with {name} (they are the denoiser's, for tokens it wrote as they are)"
-            raise PydanticCustomError("logprobs", message, {"name": other})
-        return self
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return False
-
-    @model_validator(mode="after")
-    def _streaming_only(self):
+        if json_format and self.stop:
+            return "stop", "stop: does not apply with a JSON response_format (the JSON ends itself)"
+        whole = {"suffix": getattr(self, "suffix", None) is not None, "response_format": json_format}
+        other = next((n for n, given in (*whole.items(), ("stream", self.stream)) if given), None)
+        logprobs = getattr(self, "logprobs", None)  # chat's a bool, completions' a count (0 is one)
+        if logprobs is not None and logprobs is not False and other is not None:  # with whole answers, as written
+            return other, f"logprobs: not with {other} (they are the denoiser's, for tokens it wrote as they are)"
         for name in ("stream_options", "include_drafts"):
             if getattr(self, name) and not self.stream:
-                raise PydanticCustomError("stream_only", "{name}: only applies with stream: true", {"name": name})
-        return self
+                return name, f"{name}: only applies with stream: true"
+        return None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The SamplingParams this request asks for (validated later, with the model's defaults)."""
@@ -486,29 +451,16 @@ class ChatCompletionRequest(DiffusionSettings):
             raise PydanticCustomError(
                 "messages", f"messages: at most {MAX_IMAGES} images in one request (got {count})", {"name": "messages"}
             )
-        if self.max_soft_tokens is not None and not count:
-            raise PydanticCustomError(
-                "max_soft_tokens",
-                "max_soft_tokens: applies to image parts, and there are none",
-                {"name": "max_soft_tokens"},
-            )
         return self
 
-    @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def conflict(self) -> tuple[str, str] | None:
+        if self.max_soft_tokens is not None and not any(m.image_urls() for m in self.messages):
+            return "max_soft_tokens", "max_soft_tokens: applies to image parts, and there are none"
         if self.forced_call and not self.tools:
-            raise PydanticCustomError("tool_choice", "tool_choice: needs tools to call", {"name": "tool_choice"})
-        return self
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+            return "tool_choice", "tool_choice: needs tools to call"
         if self.top_logprobs and not self.logprobs:
-            raise PydanticCustomError("top_logprobs", "top_logprobs: needs logprobs: true", {"name": "top_logprobs"})
-        return self
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return bool(self.logprobs)
+            return "top_logprobs", "top_logprobs: needs logprobs: true"
+        return super().conflict()
 
     @property
     def forced_call(self) -> bool:
@@ -547,19 +499,12 @@ class CompletionRequest(DiffusionSettings):
                 raise ValueError(f"prompt {i} must be a string or a non-empty list of token ids")
         return _valid_unicode(value)
 
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.logprobs is not None
-
-    @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
+    def conflict(self) -> tuple[str, str] | None:
         if self.best_of is not None and self.best_of != self.n:
-            raise PydanticCustomError(
-                "best_of", "best_of: only best_of equal to n (or leaving it out) is supported", {"name": "best_of"}
-            )
+            return "best_of", "best_of: only best_of equal to n (or leaving it out) is supported"
         if self.suffix is not None and len(self.prompt) > 1:
-            raise PydanticCustomError("suffix", "suffix: infilling takes one prompt", {"name": "suffix"})
-        return self
+            return "suffix", "suffix: infilling takes one prompt"
+        return super().conflict()
 
 
 def _is_id(value: Any) -> bool:

@@ -129,7 +129,9 @@ def submit(
 ) -> list[Choice]:
     """One engine request per checked task (one per prompt) and choice: choice i of task j has index
     j * n + i and the task's seed + i."""
-    check_capacity(served.engine, len(tasks) * n)
+    if len(tasks) * n > served.engine.capacity:
+        message = f"{len(tasks) * n} choices exceed what this server holds at once ({served.engine.capacity})"
+        raise ApiError(400, message, "n")
     loop = asyncio.get_running_loop()
     choices: list[Choice] = []
     runner = served.engine.runner
@@ -153,12 +155,6 @@ def _seeded(task: Task, i: int) -> Task:
     if i == 0 or params is None or params.seed is None:
         return task
     return dataclasses.replace(task, params=dataclasses.replace(params, seed=(params.seed + i) % 2**63))
-
-
-def check_capacity(engine: Engine, choices: int) -> None:
-    """A 400 naming `n` when a request's choices cannot all be held at once."""
-    if choices > engine.capacity:
-        raise ApiError(400, f"{choices} choices exceed what this server holds at once ({engine.capacity})", "n")
 
 
 def _enqueue(engine: Engine, request: EngineRequest, loop: asyncio.AbstractEventLoop) -> None:
@@ -228,8 +224,16 @@ def _json_task(body, prompt: list[int], params, tokenizer, pixels=None) -> Json:
     return Json(prompt, schema, tokenizer, params, pixels=pixels, **retries)
 
 
-async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
+def check_body(served: Served, body) -> None:
+    """What every route checks first: the model asked for, and the fields that do not go together."""
     check_model(served, body.model)
+    conflict = body.conflict()
+    if conflict is not None:
+        raise ApiError(400, conflict[1], conflict[0])
+
+
+async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
+    check_body(served, body)
     tok = served.tokenizer
     if not tok.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -302,7 +306,7 @@ async def completion_tasks(served: Served, body: CompletionRequest, prompts: lis
 
 
 async def _completions(served: Served, body: CompletionRequest, http: Request):
-    check_model(served, body.model)
+    check_body(served, body)
     prompts = await _completion_prompts(served, body)
     names = {"schema": SCHEMA, "options": "choices", "middle_length": "max_tokens", "prefix": "prompt"}
     tasks = [await checked(served, t, http, names) for t in await completion_tasks(served, body, prompts)]

@@ -44,10 +44,6 @@ class Served:
     context: int  # the most positions one request may use (prompt + generated): its KV cache's size
     compiling: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))  # schemas, one at a time
 
-    @property
-    def canvas(self) -> int:
-        return self.model.config.canvas_length
-
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 

@@ -202,14 +202,8 @@ def _laid_out(
     return plan
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """What a plan needs of a model: its vocabulary, its canvas and the token that ends a text (the reader
-    of a checkpoint: dgemma.generation.programs.sizes_of)."""
-
-    vocab: int
-    canvas: int
-    end: int
+# What a plan needs of a model: its vocabulary, its canvas, the token that ends a text (programs.sizes_of)
+Sizes = collections.namedtuple("Sizes", "vocab canvas end")
 
 
 def schema_plan(

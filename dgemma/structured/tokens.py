@@ -206,18 +206,9 @@ GEMMA_ARGUMENTS = Syntax("gemma", write_argument, lambda k: write_key(k) + ":", 
 
 
 # ------------------------------------------------------------------------------------------------
-# JSON a client wrote, read with bounds
-#
-# JSON that a client wrote, read with bounds: the request body, and JSON text inside it (a replayed tool
-# call's `arguments`).
-#
-# Python's `json.loads` reads `NaN`, `Infinity` and `1e400` (as inf), builds integers of any length (and
-# raises ValueError past 4300 digits), and recurses once per level of nesting. Each of those once reached
-# code that could not take it (a schema bound of inf, an answer "valid by construction" holding NaN, a chat
-# template's recursive macros). Here every number must be finite as a double, nesting is bounded, and what
-# breaks a rule is reported with the path of the value that breaks it (`tools.0.function.parameters...`),
-# so that the server answers a 400 naming the field.
-
+# JSON a client wrote, read with bounds (a request body, a call's `arguments`). Python's `json.loads` reads
+# NaN, Infinity and 1e400, builds integers of any length and recurses once per level; here every number is
+# finite as a double, nesting is bounded, and a break is reported with its path, so a server names the field.
 
 MAX_BODY_DEPTH = 48  # a request body's nesting: a 32-level schema or tool argument sits 4-7 levels down
 MAX_VALUE_DEPTH = 32  # nesting of one free-form value (a schema, a tool's parameters, a call's arguments)
@@ -278,17 +269,6 @@ def first_problem(value: Any, max_depth: int) -> tuple[str, str] | None:
             pairs = item.items() if isinstance(item, dict) else enumerate(item)
             stack.extend((child, (*path, key), depth + 1) for key, child in reversed(list(pairs)))
     return None
-
-
-def depth(value: Any) -> int:
-    """How deeply lists and dicts nest in `value` (iteratively; a scalar is 0)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, d = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def _dotted(path: tuple) -> str:
