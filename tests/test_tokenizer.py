@@ -113,9 +113,7 @@ def test_errors(saved, tmp_path):
         tok.render_chat([])
     with pytest.raises(ValueError, match="image_url content"):  # OpenAI's shape is the server's to read
         tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])
-    with pytest.raises(
-        ValueError, match=r"has an image or video: use dgemma\.images\.chat_prompt"
-    ):  # ids alone lose it
+    with pytest.raises(ValueError, match=r"has an image or video: use dgemma\.chat_prompt"):  # ids alone lose it
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}])
     with pytest.raises(ValueError, match="must be 'user', 'assistant' or 'tool'"):
         tok.render_chat([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])

@@ -454,13 +454,20 @@ class ChatCompletionRequest(DiffusionSettings):
         return self
 
     def conflict(self) -> tuple[str, str] | None:
-        if self.max_soft_tokens is not None and not any(m.image_urls() for m in self.messages):
-            return "max_soft_tokens", "max_soft_tokens: applies to image parts, and there are none"
-        if self.forced_call and not self.tools:
-            return "tool_choice", "tool_choice: needs tools to call"
-        if self.top_logprobs and not self.logprobs:
-            return "top_logprobs", "top_logprobs: needs logprobs: true"
-        return super().conflict()
+        found = super().conflict()
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        call = "does not go with a required tool call (the answer is the call)"
+        json = "does not go with a JSON response_format (the answer is the JSON)"
+        images, tools = any(m.image_urls() for m in self.messages), self.tools and self.tool_choice != "none"
+        rules = [(n, call, self.forced_call and getattr(self, n)) for n in ("reasoning", "logprobs", "stop")] + [
+            ("response_format", "a required tool call is the answer's format", self.forced_call and json_format),
+            ("tools", "a JSON response_format does not go with tools (use tool_choice 'none')", json_format and tools),
+            ("reasoning", json, json_format and self.reasoning),
+            ("max_soft_tokens", "applies to image parts; there are none", bool(self.max_soft_tokens) and not images),
+            ("tool_choice", "needs tools to call", self.forced_call and not self.tools),
+            ("top_logprobs", "needs logprobs: true", self.top_logprobs and not self.logprobs),
+        ]  # fmt: skip
+        return found or next(((n, f"{n}: {why}") for n, why, broken in rules if broken), None)
 
     @property
     def forced_call(self) -> bool:
@@ -504,6 +511,8 @@ class CompletionRequest(DiffusionSettings):
             return "best_of", "best_of: only best_of equal to n (or leaving it out) is supported"
         if self.suffix is not None and len(self.prompt) > 1:
             return "suffix", "suffix: infilling takes one prompt"
+        if self.suffix is not None and self.response_format is not None and self.response_format.type != "text":
+            return "suffix", "suffix: does not go with a JSON response_format (the answer is the JSON)"
         return super().conflict()
 
 

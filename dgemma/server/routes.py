@@ -48,10 +48,6 @@ def add_generation_routes(app: FastAPI, served: Served) -> None:
         return await _canvas_score(served, body)
 
 
-def _refuse(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param)
-
-
 # ------------------------------------------------------------------------------------------------
 # What every route does before and as it submits: checks, the task checked, its choices queued
 
@@ -197,11 +193,6 @@ def chat_task(body: ChatCompletionRequest, prompt: list[int], pixels, tools: lis
     if body.choices is not None:
         return Choose(prompt, list(body.choices), tokenizer, max_tokens=requested, pixels=pixels)
     if body.forced_call:
-        for name in ("reasoning", "logprobs", "stop"):
-            if getattr(body, name):
-                raise _refuse(name, "does not go with a required tool call (the answer is the call)")
-        if json_format:
-            raise _refuse("response_format", "a required tool call is the answer's format")
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         return Call(prompt, tools, tokenizer, named, params, pixels=pixels, **retries)
     if tools and not (json_format or body.reasoning or body.stop or body.logprobs):  # "auto" by the model's scores
@@ -213,11 +204,6 @@ def chat_task(body: ChatCompletionRequest, prompt: list[int], pixels, tools: lis
 
 
 def _json_task(body, prompt: list[int], params, tokenizer, pixels=None) -> Json:
-    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
-        raise _refuse("tools", "a JSON response_format does not go with tools (use tool_choice 'none')")
-    for name in ("reasoning", "suffix"):
-        if getattr(body, name, None):
-            raise _refuse(name, "does not go with a JSON response_format (the answer is the JSON)")
     fmt = body.response_format
     schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
     retries = {} if body.retries is None else {"retries": body.retries}
