@@ -200,7 +200,8 @@ def call_program(model: DiffusionGemma, stats, task: Call) -> Generator:
         index, scores = chosen.index, chosen.scores
     name, plan = task.plans[index]
     given = dict(retries=task.retries, size=task.size, pixels=task.pixels, write=functools.partial(call_text, name))
-    arguments = Json(task.prompt, None, task.tokenizer, task.params, plan=plan, limit=task.limit, **given)
+    params = dataclasses.replace(task.params, early_commit=False)  # Auto's may stream; a call is whole
+    arguments = Json(task.prompt, None, task.tokenizer, params, plan=plan, limit=task.limit, **given)
     answer = yield from result_of(json_program(model, stats, arguments), passes=(DraftEvent,))
     yield DoneEvent(ToolCall(name, answer.value, answer.text, scores, answer))
 
@@ -213,13 +214,11 @@ class Auto(Call):
     logprobs: int | None = None
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Auto:
-        check_json_options(self.retries, self.size)
-        check_rows([self.prompt], model, "prompt")
-        n = length(model, self.params.max_new_tokens, len(self.prompt), context)
-        call = Call(self.prompt, self.tools, self.tokenizer, None, dataclasses.replace(self.params, max_new_tokens=n))
-        call = dataclasses.replace(call, retries=self.retries, size=self.size, pixels=self.pixels).check(model, context)
-        text = Generate([self.prompt], dataclasses.replace(self.params, max_new_tokens=n), logprobs=self.logprobs)
-        text = text.check(model, context)
+        params = dataclasses.replace(
+            self.params, max_new_tokens=length(model, self.params.max_new_tokens, len(self.prompt), context)
+        )
+        call = Call.check(dataclasses.replace(self, params=params), model, context)  # a call's rules, within it
+        text = Generate([self.prompt], params, logprobs=self.logprobs, pixels=self.pixels).check(model, context)
         return dataclasses.replace(self, plans=call.plans, limit=call.limit, params=text.params)
 
     def program(self, model: DiffusionGemma, stats) -> Program:

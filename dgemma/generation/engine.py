@@ -341,7 +341,6 @@ class EngineRequest:
 
     def __post_init__(self):
         self.steps = own_global_rng(self.program.steps) if self.program.reference else self.program.steps
-        self.reference, self.prompt_tokens = self.program.reference, self.program.prompt_tokens
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -410,8 +409,8 @@ class Engine:
             if len(self._waiting) + self._running >= self.max_batch + self.max_queue:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; try again shortly")
-            queued = sum(r.prompt_tokens for r in self._waiting)
-            if self._waiting and self.max_queued_tokens and queued + request.prompt_tokens > self.max_queued_tokens:
+            queued, brings = sum(r.program.prompt_tokens for r in self._waiting), request.program.prompt_tokens
+            if self._waiting and self.max_queued_tokens and queued + brings > self.max_queued_tokens:
                 self.stats.requests_rejected += 1
                 raise QueueFull(f"{queued} prompt tokens are waiting for their prefill; try again shortly")
             self._waiting.append(request)
@@ -558,9 +557,9 @@ class Engine:
                     self._answer_one(group[0])
         self._active = [r for r in self._active if r._call is not None]
         denoising = [r for r in self._active if isinstance(r._call, DenoiseCall)]
-        fast = [r for r in denoising if not r.reference]
+        fast = [r for r in denoising if not r.program.reference]
         groups = [fast] if fast else []
-        groups += [[r] for r in denoising if r.reference]
+        groups += [[r] for r in denoising if r.program.reference]
         if groups:
             self.stats.last_batch_size = len(self._active)  # requests denoised this step
         for group in groups:
@@ -591,7 +590,8 @@ class Engine:
         groups: dict[tuple, list[EngineRequest]] = {}
         for r in waiting:
             c = r._call
-            alike = isinstance(c, EncodeCall) and not r.reference and c.pixels is None and type(c.cache) is KVCache
+            alike = isinstance(c, EncodeCall) and c.pixels is None and type(c.cache) is KVCache
+            alike = alike and not r.program.reference
             if self.batch_encodes and alike:
                 key = (c.is_generated, c.cache.length, c.ids.shape[1], c.attention_mask is None)
             else:
@@ -630,7 +630,7 @@ class Engine:
         self._advance(request, reply)
 
     def _runner_of(self, request: EngineRequest) -> Runner:
-        return self.runner.reference if request.reference else self.runner
+        return self.runner.reference if request.program.reference else self.runner
 
     def _denoise(self, group: list[EngineRequest]) -> None:
         """One forward pass for `group`'s canvases (caches stacked), each request then resumed on its rows."""

@@ -184,6 +184,8 @@ class Generate:
     def check(self, model: DiffusionGemma, context: int | None = None) -> Generate:
         """The task with its settings resolved and its length decided; a RequestError names what is wrong."""
         check_rows(self.prompt, model, "prompt")
+        if self.pixels is None and any(model.config.image_token_id in row for row in self.prompt):
+            raise RequestError("prompt holds image placeholders, and no images were given", "prompt")
         fixed = None if self.pins is None else self.pins.shape[1]  # a fill: the template's length
         n = length(model, self.params.max_new_tokens if fixed is None else fixed, max(map(len, self.prompt)), context)
         p = resolved(model, self.params, max_new_tokens=n)
@@ -361,8 +363,7 @@ class Infill:
     length_score: str = "encoder"
     logprobs: int | None = None
     longest: int | None = None
-    plan: InfillPlan | None = None  # laid out by check
-    fill: Generate | None = None  # its rows, checked
+    plan: InfillPlan | None = None  # laid out by check (and `params` resolved for its rows)
     work: ClassVar[str | None] = None
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Infill:
@@ -375,12 +376,10 @@ class Infill:
         params = params if params.stop_token_ids is not None else dataclasses.replace(params, stop_token_ids=[])
         fast_only(resolved(model, params), "pinned positions (an infill's suffix)")
         rows = Generate(plan.prompts, params, plan.pins(), logprobs=self.logprobs).check(model, context)
-        return dataclasses.replace(self, plan=plan, fill=rows, params=rows.params)
+        return dataclasses.replace(self, plan=plan, params=rows.params)
 
     def program(self, model: DiffusionGemma, stats) -> Program:
-        """`params` (the fill's, checked) may have been given another seed since (a server's choice i)."""
-        task = dataclasses.replace(self, fill=dataclasses.replace(self.fill, params=self.params))
-        return Program(infill_program(model, stats, task), False, len(self.plan.prompt) * len(self.plan.lengths))
+        return Program(infill_program(model, stats, self), False, len(self.plan.prompt) * len(self.plan.lengths))
 
 
 @dataclass(frozen=True)
@@ -404,7 +403,8 @@ def infill_program(model: DiffusionGemma, stats, task: Infill) -> Generator:
     """A checked Infill: its rows filled, each middle cut at the end of text, and the one kept (the only
     one, or the best by `plan.length_score`): an InfillResult."""
     plan = task.plan
-    result = yield from result_of(task.fill.steps(model, stats), passes=(DraftEvent,))
+    rows = Generate(plan.prompts, task.params, plan.pins(), logprobs=task.logprobs)  # checked by the task
+    result = yield from result_of(rows.steps(model, stats), passes=(DraftEvent,))
     middles = [cut_at_end(model, row[:n]) for row, n in zip(result.tokens, plan.lengths, strict=True)]
     scores: dict[int, float] = {}
     best = 0
