@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .generation.engine import DoneEvent, TokensEvent
-from .generation.loop import GenerationResult, GenerationStats, end_of_text_ids, left_pad, prompt_rows
+from .generation.loop import GenerationResult, GenerationStats, end_of_text_ids, left_pad, prompt_rows, text_ends
 from .generation.programs import JsonResult, sizes_of
 from .model.model import DiffusionGemma
 from .runtime.runner import Runner, as_runner
@@ -92,10 +92,7 @@ def _checked(model: DiffusionGemma, ids: torch.Tensor, max_new_tokens, temperatu
             f"prompt ({ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceed the model's "
             f"context of {limit} positions"
         )
-    if stop_token_ids is None:
-        eos = model.generation_config.eos_token_id
-        stop_token_ids = model.text_config.eos_token_ids if eos is None else ([eos] if isinstance(eos, int) else eos)
-    return set(stop_token_ids)
+    return set(text_ends(model) if stop_token_ids is None else stop_token_ids)
 
 
 def _draw(logits: torch.Tensor, temperature: float, gen) -> torch.Tensor:

@@ -430,7 +430,7 @@ def generation_request(
     task = Generate(rows, params, **kwargs)
     if check:  # else a request the engine must refuse on its own (the task's check would have)
         task = task.check(runner.model)
-    elif task.params.max_new_tokens is not None:
+    else:
         task = Generate(rows, params.resolve(runner.generation_config, runner.text_config.eos_token_ids))
     return EngineRequest(task.program(runner.model, runner.canvas_stats), want_drafts=want_drafts, timeout=timeout)
 

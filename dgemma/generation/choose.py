@@ -171,15 +171,15 @@ class Call:
     def check(self, model: DiffusionGemma, context: int | None = None) -> Call:
         check_json_options(self.retries, self.size)
         check_rows([self.prompt], model, "prompt")
-        fast_only(resolved(model, self.params, early_commit=False), "constrained positions (a tool call)")
+        p = resolved(model, self.params, early_commit=False)
+        fast_only(p, "constrained positions (a tool call)")
         plans = tool_plans(model, self.tokenizer, self.tools)
         names = [n for n, _ in plans]
         if self.name is not None and self.name not in names:
             raise RequestError(f"tool_choice: no function named {self.name!r} among the tools", "tool_choice")
         callable_ = [p for n, p in plans if self.name in (None, n)]
         limit = shaped_limit(model, callable_, self.params.max_new_tokens, len(self.prompt), context)
-        params = resolved(model, self.params, early_commit=False, max_new_tokens=limit)
-        return dataclasses.replace(self, plans=plans, limit=limit, params=params)
+        return dataclasses.replace(self, plans=plans, limit=limit, params=dataclasses.replace(p, max_new_tokens=limit))
 
     def program(self, model: DiffusionGemma, stats) -> Program:
         return Program(call_program(model, stats, self), False, len(self.prompt))

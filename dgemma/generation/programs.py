@@ -143,7 +143,7 @@ def check_rows(rows: list[list[int]], model: DiffusionGemma, param: str, what: s
     for i, row in enumerate(rows):
         if not row:
             raise RequestError(f"{what or param} {i} must be a non-empty list of token ids", param)
-        check_ids(row if isinstance(row, list) else None, model.text_config.vocab_size, f"{what or param} {i}", param)
+        check_ids(row, model.text_config.vocab_size, f"{what or param} {i}", param)
 
 
 def fast_only(params: SamplingParams, what: str) -> None:
@@ -303,9 +303,9 @@ def stream(
     runner = as_runner(model)
     if images is not None:
         prompt, pixels = with_images(runner.model, prompt, tokenizer, pixels, images, max_soft_tokens)
-    task = Generate(prompt_rows(prompt, tokenizer), library_params(params, overrides), pins, allowed, logprobs, pixels)
-    context = None if cache is None else cache.max_length - cache.length
-    task = library_checked(dataclasses.replace(task, step_stats=step_stats), runner.model, context)
+    settings = library_params(params, overrides)
+    task = Generate(prompt_rows(prompt, tokenizer), settings, pins, allowed, logprobs, pixels, step_stats)
+    task = library_checked(task, runner.model, None if cache is None else cache.max_length - cache.length)
     for event in drive(runner, task.program(runner.model, runner.canvas_stats, cache)):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
@@ -368,13 +368,12 @@ class Infill:
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Infill:
         """Laid out and checked: no early commit (a middle is whole), no `max_new_tokens` (the middle's
-        length is the template's), fast mode (its positions are pinned)."""
+        length is the template's), fast mode (its rows are pinned: their Generate checks it)."""
         if self.params.max_new_tokens is not None:
             raise RequestError("max_new_tokens does not apply: the middle's length is middle_length", "max_tokens")
         plan = plan_infill(model, self.prefix, self.suffix, self.middle_length, self.length_score, self.longest)
         params = dataclasses.replace(self.params, early_commit=False)
         params = params if params.stop_token_ids is not None else dataclasses.replace(params, stop_token_ids=[])
-        fast_only(resolved(model, params), "pinned positions (an infill's suffix)")
         rows = Generate(plan.prompts, params, plan.pins(), logprobs=self.logprobs).check(model, context)
         return dataclasses.replace(self, plan=plan, params=rows.params)
 
@@ -517,8 +516,8 @@ class Json:
     def check(self, model: DiffusionGemma, context: int | None = None) -> Json:
         check_json_options(self.retries, self.size)
         check_rows([self.prompt], model, "prompt")
-        asked = self.params.max_new_tokens
-        fast_only(resolved(model, self.params, early_commit=False), "constrained positions (a JSON answer)")
+        asked, p = self.params.max_new_tokens, resolved(model, self.params, early_commit=False)
+        fast_only(p, "constrained positions (a JSON answer)")
         try:
             if self.schema is None:
                 plan = object_plan(
@@ -529,7 +528,7 @@ class Json:
         except StructuredOutputError as e:
             raise SchemaRefused(str(e), "max_tokens" if self.schema is None else "schema") from e
         limit = None if plan.resize is None else shaped_limit(model, [plan], asked, len(self.prompt), context)
-        params = resolved(model, self.params, early_commit=False, max_new_tokens=limit or len(plan.template))
+        params = dataclasses.replace(p, max_new_tokens=limit or len(plan.template))
         return dataclasses.replace(self, plan=plan, limit=limit, params=params)
 
     def program(self, model: DiffusionGemma, stats) -> Program:
