@@ -9,11 +9,11 @@ import time
 
 from fastapi.responses import StreamingResponse
 
-from ..tool_calls import CALL_OPEN
+from ..tool_calls import CALL_OPEN, parse_tool_calls
 from . import logprobs as logprob_blocks
-from .output import extract_tool_calls, new_id
+from .output import new_id, openai_call
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .runs import Served
+from .runs import Piece, Served
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -33,38 +33,62 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str]]:
-    """Non-streaming: the text of every choice by kind, and each one's finish reason (errors raise)."""
+async def gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str], dict[int, list]]:
+    """Non-streaming: the text of every choice by kind, each one's finish reason and its tool calls (errors
+    raise)."""
     texts: dict[int, dict[str, str]] = {}
     reasons: dict[int, str] = {}
+    calls: dict[int, list] = {}
     async for piece in pieces:
         if piece.kind == "end":
             if piece.error is not None:
                 raise piece.error
             reasons[piece.index] = piece.finish_reason
+        elif piece.kind == "calls":
+            calls[piece.index] = piece.calls
         elif piece.kind in ("content", "reasoning"):
             parts = texts.setdefault(piece.index, {})
             parts[piece.kind] = parts.get(piece.kind, "") + piece.text
-    return texts, reasons
+    return texts, reasons, calls
 
 
-async def chat_answer(served, body: ChatCompletionRequest, pieces, choices, prompt_len: int, use_tools: bool):
-    texts, reasons = await gather(pieces)
+async def with_calls(pieces, most: int | None = None):
+    """The pieces of choices that were offered tools, with their calls read out: a choice's text from a tool
+    call's start on is held, and at its end given as the text around the calls, then one "calls" piece
+    (the first `most` calls) and an end whose reason is "tool_calls"; a call that does not parse stays
+    text (dgemma.tool_calls)."""
+    held: dict[int, str] = {}
+    async for piece in pieces:
+        if piece.kind == "content" and (piece.index in held or CALL_OPEN in piece.text):
+            before, mark, after = ("", "", piece.text) if piece.index in held else piece.text.partition(CALL_OPEN)
+            if before:
+                yield Piece(piece.index, "content", before)
+            held[piece.index] = held.get(piece.index, "") + mark + after
+            continue
+        if piece.kind == "end" and piece.index in held and piece.error is None:
+            found, rest = parse_tool_calls(held.pop(piece.index))
+            if rest:
+                yield Piece(piece.index, "content", rest)
+            if found:
+                yield Piece(piece.index, "calls", calls=found[:most])
+                piece = Piece(piece.index, "end", finish_reason="tool_calls")
+        yield piece
+
+
+async def chat_answer(served, body: ChatCompletionRequest, started) -> dict:
+    choices = started.choices
+    texts, reasons, calls = await gather(started.pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
     out = []
     for c in choices:
         parts = texts.get(c.index, {})
         message = {"role": "assistant", "content": parts.get("content", "")}
-        reason = reasons[c.index]
         if body.reasoning and "reasoning" in parts:
             message["reasoning_content"] = parts["reasoning"]
-        if use_tools:
-            calls, message["content"] = extract_tool_calls(message["content"])
-            if calls:
-                message["tool_calls"] = calls[: call_limit(body)]
-                reason = "tool_calls"
-        entry = {"index": c.index, "message": message, "finish_reason": reason}
+        if calls.get(c.index):
+            message["tool_calls"] = [openai_call(name, arguments) for name, arguments in calls[c.index]]
+        entry = {"index": c.index, "message": message, "finish_reason": reasons[c.index]}
         if body.logprobs:
             n = c.returned_tokens
             lps, tops = c.logprobs or ([], [])
@@ -77,7 +101,7 @@ async def chat_answer(served, body: ChatCompletionRequest, pieces, choices, prom
         "created": int(time.time()),
         "model": served.name,
         "choices": out,
-        "usage": usage_of(prompt_len, sum(c.returned_tokens for c in choices)),
+        "usage": usage_of(started.prompt_tokens, sum(c.returned_tokens for c in choices)),
         "dgemma": {
             "steps_per_canvas": [c.steps_per_canvas for c in choices],
             "tokens_per_forward": [c.tokens_per_forward for c in choices],
@@ -118,17 +142,11 @@ class Chunks:
         )
 
 
-async def event_stream(
-    chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool, calls: bool = False,
-    most_calls: int | None = None,
-):  # fmt: skip
+async def event_stream(chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool):
     """The SSE body of a streamed answer, chat or completion alike: `opening` chunks, then each piece as it
-    comes (drafts, text, ends with the choice's `dgemma` details if any, errors), the usage if asked for,
-    and [DONE]. With `calls` (tools offered), a choice's text from a tool call's start on is held and
-    sent at its end as `tool_calls` deltas, the first `most_calls` of them (or as text, if it does not
-    parse)."""
+    comes (drafts, text, tool calls as `tool_calls` deltas, ends with the choice's `dgemma` details if any,
+    errors), the usage if asked for, and [DONE]."""
     by_index = {c.index: c for c in choices}
-    held: dict[int, str] = {}
     for text in opening:
         yield text
     async for piece in pieces:
@@ -137,23 +155,12 @@ async def event_stream(
         elif piece.kind == "end" and piece.error is not None:
             yield sse(piece.error.body())
             yield chunks.choice(piece.index, reason="error")
+        elif piece.kind == "calls":
+            deltas = [{"index": k, **openai_call(name, arguments)} for k, (name, arguments) in enumerate(piece.calls)]
+            yield sse({**chunks.head, "choices": [{"index": piece.index, "delta": {"tool_calls": deltas}}]})
         elif piece.kind == "end":
-            reason = piece.finish_reason
-            if piece.index in held:
-                found, rest = extract_tool_calls(held.pop(piece.index))
-                if rest:
-                    yield chunks.choice(piece.index, "content", rest)
-                if found:
-                    deltas = [{"index": k, **call} for k, call in enumerate(found[:most_calls])]
-                    yield sse({**chunks.head, "choices": [{"index": piece.index, "delta": {"tool_calls": deltas}}]})
-                    reason = "tool_calls"
             details = by_index[piece.index].details  # set when the choice finished
-            yield chunks.choice(piece.index, reason=reason, **({"dgemma": details} if details else {}))
-        elif calls and piece.kind == "content" and (piece.index in held or CALL_OPEN in piece.text):
-            before, mark, after = ("", "", piece.text) if piece.index in held else piece.text.partition(CALL_OPEN)
-            if before:
-                yield chunks.choice(piece.index, "content", before)
-            held[piece.index] = held.get(piece.index, "") + mark + after
+            yield chunks.choice(piece.index, reason=piece.finish_reason, **({"dgemma": details} if details else {}))
         else:
             yield chunks.choice(piece.index, piece.kind, piece.text)
     if usage:
@@ -195,7 +202,7 @@ async def completion_logprobs(served: Served, body: CompletionRequest, choices, 
 
 
 async def completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan, scored):
-    texts, reasons = await gather(pieces)
+    texts, reasons, _ = await gather(pieces)
     if len(reasons) < len(choices):
         raise ApiError(499, "the client closed the request")
     blocks = await completion_logprobs(served, body, choices, echoes, prompts, scored)

@@ -36,10 +36,11 @@ except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
 
 from ..generation.engine import Engine
 from ..runtime.runner import as_runner
+from .dialects import llamacpp, messages, ollama, responses
 from .guard import Guard
 from .limits import Limits
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ApiError
+from .protocol import ApiError, validation_error
 from .routes import add_generation_routes, check_model
 from .runs import Served
 
@@ -97,17 +98,19 @@ def create_app(
     _add_error_handlers(app)
     _add_info_routes(app, served, metrics)
     add_generation_routes(app, served)
+    for dialect in (responses, messages, ollama, llamacpp):
+        dialect.add_routes(app, served)
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def api_error(request: Request, exc: ApiError):
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError):
-        return _error_response(_validation_message(exc.errors()))
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        return _error_response(validation_error(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -119,29 +122,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = messages.get(exc.status_code, str(exc.detail))
         headers = dict(exc.headers or {})  # a 405's Allow
-        return _error_response(ApiError(exc.status_code, message, kind=kind, headers=headers))
+        return _error_response(ApiError(exc.status_code, message, kind=kind, headers=headers), request.url.path)
 
 
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _validation_message(errors: list) -> ApiError:
-    """The first validation error as a 400 naming its field."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return ApiError(400, "the request body is not valid JSON")
-    # field names and list indices; not "body", nor pydantic's names of union members ("function-after[...]")
-    loc = [str(x) for x in first.get("loc", []) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
-    param = ".".join(loc) or (first.get("ctx") or {}).get("name")  # a whole-request check names its field
-    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        message = "this server does not know this field (see docs/server.md for the fields it takes)"
-    if first.get("type") == "model_attributes_type":
-        message = "the request body must be a JSON object"
-    if param and message.startswith(f"{param}: "):
-        return ApiError(400, message, param)
-    return ApiError(400, f"{param}: {message}" if param else message, param)
+def _error_response(err: ApiError, path: str) -> JSONResponse:
+    return JSONResponse(err.body(path), status_code=err.status, headers=err.headers)
 
 
 def _add_info_routes(app: FastAPI, served: Served, metrics: Metrics) -> None:

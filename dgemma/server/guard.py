@@ -1,6 +1,7 @@
 """What every HTTP request crosses before a route sees it, as one plain ASGI middleware: the Host header on
-loopback without a key, the API key (constant time; `/` and `/health` open), the body's size, time,
-UTF-8 and JSON bounds (read once, here), and the answer counts for /metrics (docs/server.md, "Security").
+loopback without a key, the API key (the bearer scheme or Anthropic's `x-api-key`; constant time; `/` and
+`/health` open), the body's size, time, UTF-8 and JSON bounds (read once, here), and the answer counts for
+/metrics (docs/server.md, "Security").
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ OPEN_PATHS = frozenset({"/", "/health"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
 
-async def send_error(send, err: ApiError) -> None:
-    """Answer with an OpenAI-style error body."""
-    body = json.dumps(err.body()).encode()
+async def send_error(send, err: ApiError, path: str = "") -> None:
+    """Answer with an error body in the dialect of the route at `path`."""
+    body = json.dumps(err.body(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -68,13 +69,14 @@ class Guard:
             if err is None:
                 body, err = await self._read_body(scope, receive)
             if err is not None:
-                await send_error(send_counted, err)
+                await send_error(send_counted, err, scope.get("path", ""))
             else:
                 await self.app(scope, _replay(body, receive), send_counted)
         except Exception:  # never a traceback to the client
             log.exception("unhandled error on %s", scope.get("path"))
             if status["code"] is None:  # nothing sent yet
-                await send_error(send_counted, ApiError(500, "internal server error", kind="server_error"))
+                failed = ApiError(500, "internal server error", kind="server_error")
+                await send_error(send_counted, failed, scope.get("path", ""))
         finally:
             path = scope.get("path", "")
             self.count(path if path in self.routes() else "other", status["code"] or 500)
@@ -93,11 +95,11 @@ class Guard:
                     code="host_not_allowed",
                 )
         authorized = not self.expected or scope.get("path") in OPEN_PATHS
-        token = _bearer(headers.get(b"authorization", b""))
+        token = _bearer(headers.get(b"authorization", b"")) or headers.get(b"x-api-key")  # Anthropic's header
         if not authorized and not hmac.compare_digest(token or b"", self.expected):
             return ApiError(
                 401,
-                "a valid API key is required (Authorization: Bearer KEY)",
+                "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                 kind="authentication_error",
                 code="invalid_api_key",
             )

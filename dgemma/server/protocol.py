@@ -56,8 +56,66 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers or {}
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+    def body(self, path: str = "") -> dict:
+        """The error body in the dialect of the route at `path` (OpenAI's unless `dialect_of` says else)."""
+        dialect = dialect_of(path)
+        if dialect == "openai":
+            return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        bare = self.param and not self.message.startswith(self.param)
+        named = f"{self.param}: {self.message}" if bare else self.message
+        if dialect == "anthropic":
+            kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+            return {"type": "error", "error": {"type": kind, "message": named}}
+        if dialect == "ollama":
+            return {"error": named}
+        return {"error": {"code": self.status, "message": named, "type": self.kind}}  # llama.cpp's server
+
+    def renamed(self, rename) -> ApiError:
+        """The same error with its field in a dialect's names (`rename`: a chat or completions field's
+        dotted path -> the dialect's, or None to keep it)."""
+        param = rename(self.param) if self.param else None
+        if not param or param == self.param:
+            return self
+        message = param + self.message[len(self.param) :] if self.message.startswith(self.param) else self.message
+        return ApiError(self.status, message, param, self.kind, self.code, self.headers)
+
+
+# Anthropic's error types by status (docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_DIALECTS = (("/v1/messages", "anthropic"), ("/api/", "ollama"), ("/infill", "llama.cpp"), ("/completion", "llama.cpp"))
+
+
+def dialect_of(path: str) -> str:
+    """Which client dialect a route speaks, by its path: "openai", "anthropic", "ollama" or "llama.cpp"."""
+    for prefix, dialect in _DIALECTS:
+        if path == prefix or path.startswith(prefix + "/") or (prefix.endswith("/") and path.startswith(prefix)):
+            return dialect
+    return "openai"
+
+
+def validation_error(errors: list) -> ApiError:
+    """A request model's first validation error (pydantic's `errors()`) as a 400 naming its field."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    # field names and list indices; not "body", nor pydantic's names of union members ("function-after[...]")
+    loc = [str(x) for x in first.get("loc", []) if x != "body" and (isinstance(x, int) or str(x).isidentifier())]
+    param = ".".join(loc) or (first.get("ctx") or {}).get("name")  # a whole-request check names its field
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "this server does not know this field (see docs/server.md for the fields it takes)"
+    if first.get("type") == "model_attributes_type":
+        message = "the request body must be a JSON object"
+    if param and message.startswith(f"{param}: "):
+        return ApiError(400, message, param)
+    return ApiError(400, f"{param}: {message}" if param else message, param)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,6 +471,26 @@ class DiffusionSettings(_Body):
         if self.ignore_eos:
             fields["stop_token_ids"] = []
         return SamplingParams(max_new_tokens=max_tokens, seed=seed, **fields)
+
+
+# the settings another dialect takes under its `dgemma` key (the chat body's fields of the same names)
+EXTENSIONS = frozenset(
+    {"max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"}
+    | {"sampler", "confidence", "tokens_per_step", "mode", "early_commit", "early_commit_steps"}
+    | {"early_commit_entropy", "greedy", "seed", "retries", "ignore_eos", "max_soft_tokens"}
+)
+
+
+def extensions(value: dict | None) -> dict:
+    """A dialect's `dgemma` object: settings the chat body takes under the same names (checked there)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "dgemma: must be an object of dgemma's settings", "dgemma")
+    for key in value:
+        if key not in EXTENSIONS:
+            raise ApiError(400, f"dgemma.{key}: not a dgemma setting (see docs/server.md)", f"dgemma.{key}")
+    return dict(value)
 
 
 # the fields that apply with `choices`

@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from ..checkpoints.tokenizer import chat_prompt
 from ..generation.choose import Auto, Call, Choose
@@ -28,8 +31,16 @@ from ..images import DEFAULT_BUDGET
 from . import answers, media
 from . import logprobs as logprob_blocks
 from .output import StreamText
-from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .runs import Choice, Served, as_api_error, run
+from .protocol import (
+    EXTENSIONS,
+    ApiError,
+    CanvasScoreRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    validation_error,
+)
+from .runs import Choice, Piece, Served, as_api_error, run
 
 SCHEMA = "response_format.json_schema.schema"  # where a schema that cannot be laid out is named
 
@@ -181,6 +192,48 @@ async def outcome(engine: Engine, program: Program, timeout: float | None = None
 
 
 # ------------------------------------------------------------------------------------------------
+# The other dialects (dgemma/server/dialects/): a body mapped onto a chat or completions body, started as one
+
+
+class Renames:
+    """A dialect's names for the fields of the chat or completions body it was mapped onto: `names` maps a
+    dotted path (`*` for any index) to the dialect's, `messages[i]` is where chat message i came from
+    (`input.3`), and an extension setting is named under the dialect's `dgemma` key."""
+
+    def __init__(self, names: dict[str, str], messages: list[str] | None = None):
+        self.names, self.messages = names, messages or []
+
+    def __call__(self, param: str) -> str:
+        parts = param.split(".")
+        if parts[0] == "messages" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < len(self.messages):
+            return ".".join([self.messages[int(parts[1])], *parts[2:]])
+        for length in range(len(parts), 0, -1):
+            head, indices = parts[:length], [p for p in parts[:length] if p.isdigit()]
+            pattern = ".".join("*" if p.isdigit() else p for p in head)
+            if pattern in self.names:
+                named = self.names[pattern]
+                for i in indices:
+                    named = named.replace("*", i, 1)
+                return ".".join([named, *parts[length:]])
+        return f"dgemma.{param}" if parts[0] in EXTENSIONS else param
+
+
+async def start_mapped(served: Served, kind: type, fields: dict, http: Request, rename: Renames) -> Started:
+    """A dialect's request as the chat (`kind` ChatCompletionRequest) or completions body `fields` make,
+    started as that route starts it; every error names the dialect's field (`rename`)."""
+    try:
+        body = kind.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e.errors()).renamed(rename) from None
+    try:
+        if kind is ChatCompletionRequest:
+            return await start_chat(served, body, http)
+        return await start_completion(served, body, http)
+    except ApiError as e:
+        raise e.renamed(rename) from None
+
+
+# ------------------------------------------------------------------------------------------------
 # /v1/chat/completions
 
 
@@ -218,7 +271,24 @@ def check_body(served: Served, body) -> None:
         raise ApiError(400, conflict[1], conflict[0])
 
 
-async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
+@dataclass
+class Started:
+    """A request on the engine: its choices, their pieces as they come (tool calls read out when tools are
+    offered: answers.with_calls), the prompt tokens its usage counts, the most calls an answer sends, and
+    its prompts and checked tasks."""
+
+    choices: list[Choice]
+    pieces: AsyncIterator[Piece]
+    prompt_tokens: int
+    tools: bool
+    most_calls: int | None
+    prompts: list[list[int]] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+
+
+async def start_chat(served: Served, body: ChatCompletionRequest, http: Request) -> Started:
+    """A chat body checked, tokenized, mapped to its task, checked again by the task and submitted: every
+    chat-like dialect (Chat Completions, Responses, Messages, Ollama's chat) starts here."""
     check_body(served, body)
     tok = served.tokenizer
     if not tok.chat_template:
@@ -246,15 +316,21 @@ async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
     task = await checked(served, chat_task(body, prompt, pixels, tools, tok), http, names)
     want_drafts = body.include_drafts and body.stream
     choices = submit(served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts)
-    pieces = run(choices, served.tokenizer, http.is_disconnected)
+    most = answers.call_limit(body)
+    pieces = answers.with_calls(run(choices, tok, http.is_disconnected), most) if use_tools else None
+    pieces = pieces or run(choices, tok, http.is_disconnected)
+    return Started(choices, pieces, len(prompt), use_tools, most, [prompt], [task])
+
+
+async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
+    started = await start_chat(served, body, http)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = answers.Chunks(served, chat=True)
-        opening = [answers.sse({**chunks.head, "choices": [answers.role_delta(c.index)]}) for c in choices]
-        most = answers.call_limit(body)
-        stream = answers.event_stream(chunks, pieces, choices, opening, len(prompt), usage, use_tools, most)
+        opening = [answers.sse({**chunks.head, "choices": [answers.role_delta(c.index)]}) for c in started.choices]
+        stream = answers.event_stream(chunks, started.pieces, started.choices, opening, started.prompt_tokens, usage)
         return StreamingResponse(stream, media_type="text/event-stream")
-    return await answers.chat_answer(served, body, pieces, choices, len(prompt), use_tools)
+    return await answers.chat_answer(served, body, started)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,7 +367,9 @@ async def completion_tasks(served: Served, body: CompletionRequest, prompts: lis
     return [Generate([p], params, logprobs=body.logprobs) for p in prompts]
 
 
-async def _completions(served: Served, body: CompletionRequest, http: Request):
+async def start_completion(served: Served, body: CompletionRequest, http: Request) -> Started:
+    """A completions body checked, tokenized, mapped to one task per prompt, checked by the tasks and
+    submitted: /v1/completions, Ollama's generate and llama.cpp's /infill and /completion start here."""
     check_body(served, body)
     prompts = await _completion_prompts(served, body)
     names = {"schema": SCHEMA, "options": "choices", "middle_length": "max_tokens", "prefix": "prompt"}
@@ -299,11 +377,17 @@ async def _completions(served: Served, body: CompletionRequest, http: Request):
     want_drafts = body.include_drafts and body.stream
     choices = submit(served, tasks, body.n, stops=body.stop, want_drafts=want_drafts)
     pieces = run(choices, served.tokenizer, http.is_disconnected)
+    return Started(choices, pieces, sum(len(p) for p in prompts) * body.n, False, None, prompts, tasks)
+
+
+async def _completions(served: Served, body: CompletionRequest, http: Request):
+    started = await start_completion(served, body, http)
+    prompts, tasks = started.prompts, started.tasks
     plan = tasks[0].plan if isinstance(tasks[0], Infill) else None
     scored = None
     if body.echo and body.logprobs is not None:  # the prompts' own, by the encoder
         scored = [await outcome(served.engine, Score(p, None, body.logprobs).program(served.model)) for p in prompts]
-    return await answers.completion_reply(served, body, choices, pieces, prompts, plan, scored)
+    return await answers.completion_reply(served, body, started.choices, started.pieces, prompts, plan, scored)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -50,12 +50,14 @@ class Served:
 
 @dataclass
 class Piece:
-    """Something to send for one choice: text ("content" / "reasoning"), a "draft", or its "end"."""
+    """Something to send for one choice: text ("content" / "reasoning"), a "draft", its tool "calls" (read
+    out of its text when tools are offered: answers.with_calls), or its "end"."""
 
     index: int
     kind: str
     text: str = ""
     draft: dict | None = None
+    calls: list[tuple[str, dict]] | None = None  # (name, arguments) of each call
     finish_reason: str | None = None
     error: ApiError | None = None  # an end that is an error (a timeout, a shutdown)
 
