@@ -289,6 +289,21 @@ class Started:
 async def start_chat(served: Served, body: ChatCompletionRequest, http: Request) -> Started:
     """A chat body checked, tokenized, mapped to its task, checked again by the task and submitted: every
     chat-like dialect (Chat Completions, Responses, Messages, Ollama's chat) starts here."""
+    prompt, pixels, tools = await conversation(served, body)
+    tok = served.tokenizer
+    names = {"prompt": "messages", "max_tokens": body.requested_tokens[1], "schema": SCHEMA, "options": "choices"}
+    task = await checked(served, chat_task(body, prompt, pixels, tools, tok), http, names)
+    want_drafts = body.include_drafts and body.stream
+    choices = submit(served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts)
+    most = answers.call_limit(body)
+    pieces = run(choices, tok, http.is_disconnected)
+    pieces = answers.with_calls(pieces, most) if tools else pieces
+    return Started(choices, pieces, len(prompt), bool(tools), most, [prompt], [task])
+
+
+async def conversation(served: Served, body: ChatCompletionRequest) -> tuple[list[int], object, list | None]:
+    """A chat body's prompt: its fields checked together, its messages (images decoded) and tools written by
+    the chat template and tokenized. Returns the prompt, its images' pixels and the tools offered."""
     check_body(served, body)
     tok = served.tokenizer
     if not tok.chat_template:
@@ -312,14 +327,7 @@ async def start_chat(served: Served, body: ChatCompletionRequest, http: Request)
         served, chat_prompt, tok, served.model.config, messages, budget, param="messages",
         enable_thinking=True if body.reasoning else None, tools=tools,
     )  # fmt: skip
-    names = {"prompt": "messages", "max_tokens": body.requested_tokens[1], "schema": SCHEMA, "options": "choices"}
-    task = await checked(served, chat_task(body, prompt, pixels, tools, tok), http, names)
-    want_drafts = body.include_drafts and body.stream
-    choices = submit(served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts)
-    most = answers.call_limit(body)
-    pieces = answers.with_calls(run(choices, tok, http.is_disconnected), most) if use_tools else None
-    pieces = pieces or run(choices, tok, http.is_disconnected)
-    return Started(choices, pieces, len(prompt), use_tools, most, [prompt], [task])
+    return prompt, pixels, tools
 
 
 async def _chat(served: Served, body: ChatCompletionRequest, http: Request):

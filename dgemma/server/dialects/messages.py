@@ -1,11 +1,333 @@
-"""(being written)"""
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, as the `anthropic` SDK,
+langchain-anthropic and agents built on them send it (docs.anthropic.com/en/api/messages).
+
+A body maps onto a chat body (routes.start_mapped): `system` a system message; `messages` with text,
+image (base64), tool_use and tool_result blocks chat messages (tool results become tool messages, tool
+uses an assistant's tool_calls, a replayed thinking block its reasoning); `tools` (`input_schema`) chat's
+function tools; `tool_choice` auto / any (a required call) / tool (a named one) / none, and
+`disable_parallel_tool_use` one call; `output_config.format` a json_schema response_format (valid by
+construction); `thinking` enabled or adaptive turns reasoning on; `max_tokens` (required), `stop_sequences`,
+`temperature`, `top_p` (1 only, as in chat), `stream`; dgemma's settings under `dgemma`. The answer's
+`stop_reason` is end_turn, max_tokens, stop_sequence or tool_use; `usage` counts input and output tokens
+(cache counts are 0: dgemma keeps no prompt cache).
+
+Accepted without effect: `metadata`, `service_tier`, `cache_control` (on blocks, tools and the body: no
+prompt cache yet), `anthropic-version` and beta headers. Refused by name: `top_k`, image URLs (the server
+fetches nothing), document and server-tool blocks, server tools, `output_config.effort`, `container`,
+`mcp_servers`, and anything else this module does not list (unknown fields).
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import json
+from typing import Annotated, Any, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from ...generation.sampling import SETTINGS
+from ..answers import gather
+from ..output import new_id
+from ..protocol import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP,
+    MAX_TOOLS,
+    ApiError,
+    ChatCompletionRequest,
+    FunctionName,
+    Schema,
+    Text,
+    _Body,
+    extensions,
+)
+from ..routes import Renames, conversation, start_mapped
 from ..runs import Served
+
+CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": ...}: accepted, no prompt cache yet
+Id = Annotated[str, Field(max_length=256)]
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl = None
+    citations: list[None] | None = Field(default=None, max_length=0)
+
+
+class ImageSource(_Body):
+    type: Literal["base64"]  # a URL source is refused: the server fetches nothing
+    media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp"]
+    data: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(_Body):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl = None
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: Id
+    name: FunctionName
+    input: Schema
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: Id
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: CacheControl = None
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text = ""
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class MessageParam(_Body):
+    role: Literal["user", "assistant"]
+    content: Text | list[Block]
+
+
+class ToolParam(_Body):
+    name: FunctionName
+    description: Text | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    input_schema: Schema
+    type: Literal["custom"] | None = None
+    strict: bool | None = None  # a required call follows input_schema by construction either way
+    cache_control: CacheControl = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: FunctionName | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: Schema = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=0, le=1 << 20)  # the answer's max_tokens bounds it
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class CountTokensRequest(_Body):
+    """POST /v1/messages/count_tokens: the prompt a Messages body would have, counted."""
+
+    model: Text | None = Field(default=None, max_length=256)
+    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: Text | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1, le=SETTINGS["max_new_tokens"]["high"])  # required, as Anthropic's API has it
+    stop_sequences: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_STOP)
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = None  # chat's top_p: 1 only
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    dgemma: dict[str, Any] | None = None  # dgemma's settings (docs/server.md)
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(block.text for block in content)
+
+
+def _message(role: str, blocks: list) -> list[dict]:
+    """One Messages message as chat messages: an assistant's text, calls and thought as one; a user's tool
+    results first, as tool messages, then its text and images as one message."""
+    if role == "assistant":
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(b.text for b in blocks if b.type == "text")}
+        calls = [
+            {"id": b.id, "function": {"name": b.name, "arguments": b.input}} for b in blocks if b.type == "tool_use"
+        ]
+        thought = "".join(b.thinking for b in blocks if b.type == "thinking")
+        return [out | ({"tool_calls": calls} if calls else {}) | ({"reasoning_content": thought} if thought else {})]
+    results = [
+        {"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+        for b in blocks
+        if b.type == "tool_result"
+    ]
+    parts = []
+    for b in blocks:
+        if b.type == "text":
+            parts.append({"type": "text", "text": b.text})
+        elif b.type == "image":
+            url = f"data:{b.source.media_type};base64,{b.source.data}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return results + ([{"role": "user", "content": parts}] if parts or not results else [])
+
+
+def chat_fields(body: CountTokensRequest) -> tuple[dict, Renames]:
+    """The chat body a Messages body means, and the Messages names of its fields."""
+    messages, origins = [], []
+    if body.system is not None:
+        messages.append({"role": "system", "content": _text(body.system)})
+        origins.append("system")
+    for i, m in enumerate(body.messages):
+        plain = isinstance(m.content, str)
+        converted = [{"role": m.role, "content": m.content}] if plain else _message(m.role, m.content)
+        messages += converted
+        origins += [f"messages.{i}"] * len(converted)
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    if body.tools:
+        functions = [{"name": t.name, "description": t.description, "parameters": t.input_schema} for t in body.tools]
+        fields["tools"] = [{"type": "function", "function": f} for f in functions]
+    choice = body.tool_choice
+    if choice is not None:
+        named = {"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else None
+        fields["tool_choice"] = named or {"any": "required"}.get(choice.type, choice.type)
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    if body.thinking is not None and body.thinking.type != "disabled":
+        fields["reasoning"] = True
+    if body.output_config is not None and body.output_config.format is not None:
+        schema = body.output_config.format.schema_
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    names = {
+        "tools.*.function.parameters": "tools.*.input_schema",
+        "tools.*.function.name": "tools.*.name",
+        "tools": "tools",
+        "tool_choice": "tool_choice",
+        "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+        "response_format": "output_config.format",
+        "reasoning": "thinking",
+        "max_tokens": "max_tokens",
+        "max_completion_tokens": "max_tokens",
+        "stop": "stop_sequences",
+    }
+    return fields, Renames(names, origins)
 
 
 def add_routes(app: FastAPI, served: Served) -> None:
-    """(being written)"""
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, http: Request):
+        fields, rename = chat_fields(body)
+        settings = {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "stream": body.stream}
+        settings |= {"temperature": body.temperature, "top_p": body.top_p}
+        fields |= extensions(body.dgemma) | {k: v for k, v in settings.items() if v is not None}
+        started = await start_mapped(served, ChatCompletionRequest, fields, http, rename)
+        reply = _Reply(served, body, started)
+        if body.stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream")
+        return await reply.whole()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        fields, rename = chat_fields(body)
+        try:
+            prompt, _, _ = await conversation(served, ChatCompletionRequest.model_validate(fields))
+        except ApiError as e:
+            raise e.renamed(rename) from None
+        return {"input_tokens": len(prompt)}
+
+
+class _Reply:
+    """A Messages answer from a started chat: whole, or as Anthropic's stream of events."""
+
+    def __init__(self, served: Served, body: MessagesRequest, started):
+        self.served, self.body, self.started = served, body, started
+        self.choice = started.choices[0]
+        self.head = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": served.name}
+
+    def stop(self, reason: str) -> dict:
+        """stop_reason and stop_sequence for a chat finish reason."""
+        if reason == "tool_calls":
+            return {"stop_reason": "tool_use", "stop_sequence": None}
+        if reason == "length":
+            return {"stop_reason": "max_tokens", "stop_sequence": None}
+        text = self.choice.text
+        if text.stopped and text.stops:
+            decoded = self.served.decode(self.choice.tokens)
+            hit = next((s for s in text.stops if decoded.startswith(s, text.cut)), None)
+            return {"stop_reason": "stop_sequence", "stop_sequence": hit}
+        return {"stop_reason": "end_turn", "stop_sequence": None}
+
+    def usage(self) -> dict:
+        return {
+            "input_tokens": self.started.prompt_tokens,
+            "output_tokens": self.choice.returned_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+
+    async def whole(self) -> dict:
+        texts, reasons, calls = await gather(self.started.pieces)
+        if not reasons:
+            raise ApiError(499, "the client closed the request")
+        parts = texts.get(0, {})
+        content = [{**_THINKING, "thinking": parts["reasoning"]}] if "reasoning" in parts else []
+        content += [{"type": "text", "text": parts["content"]}] if parts.get("content") else []
+        content += [_tool_use(name, arguments) for name, arguments in calls.get(0, [])]
+        return {**self.head, "content": content, **self.stop(reasons[0]), "usage": self.usage()}
+
+    async def events(self):
+        start = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None}
+        yield _event("message_start", {"message": {**start, "usage": {**self.usage(), "output_tokens": 0}}})
+        index, open_kind = -1, None
+        async for piece in self.started.pieces:
+            if piece.kind in ("content", "reasoning") and piece.text:
+                if open_kind != piece.kind:
+                    if open_kind is not None:
+                        yield _event("content_block_stop", {"index": index})
+                    index, open_kind = index + 1, piece.kind
+                    block = {"type": "text", "text": ""} if piece.kind == "content" else _THINKING
+                    yield _event("content_block_start", {"index": index, "content_block": block})
+                yield _event("content_block_delta", {"index": index, "delta": _delta(piece)})
+            elif piece.kind in ("calls", "end") and open_kind is not None:
+                yield _event("content_block_stop", {"index": index})
+                open_kind = None
+            if piece.kind == "calls":
+                for name, arguments in piece.calls:
+                    index += 1
+                    yield _event("content_block_start", {"index": index, "content_block": {**_tool_use(name, {})}})
+                    delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments)}
+                    yield _event("content_block_delta", {"index": index, "delta": delta})
+                    yield _event("content_block_stop", {"index": index})
+            elif piece.kind == "end" and piece.error is not None:
+                yield _event("error", piece.error.body("/v1/messages"))
+                return
+            elif piece.kind == "end":
+                usage = {"output_tokens": self.choice.returned_tokens}
+                yield _event("message_delta", {"delta": self.stop(piece.finish_reason), "usage": usage})
+                yield _event("message_stop", {})
+
+
+_THINKING = {"type": "thinking", "thinking": "", "signature": ""}
+
+
+def _delta(piece) -> dict:
+    if piece.kind == "content":
+        return {"type": "text_delta", "text": piece.text}
+    return {"type": "thinking_delta", "thinking": piece.text}
+
+
+def _tool_use(name: str, arguments: dict) -> dict:
+    return {"type": "tool_use", "id": new_id("toolu").replace("-", "_"), "name": name, "input": arguments}
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"

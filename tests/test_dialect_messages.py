@@ -1,0 +1,204 @@
+"""Anthropic's Messages API on a live server, through the real `anthropic` SDK and langchain-anthropic:
+text, streams, a tool_use -> tool_result round trip, structured output, count_tokens, and errors in
+Anthropic's shape naming the field (issue 57)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+from live_server import KEY  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+FAST = {"dgemma": {"max_denoising_steps": 3}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    },
+}
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture()
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _user(text: str = "hi") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_messages_create_answers_text(client):
+    m = client.messages.create(model="tiny", max_tokens=8, messages=_user(), system="Be brief.", extra_body=FAST)
+    assert m.type == "message" and m.role == "assistant" and m.model == "tiny"
+    assert m.stop_reason in ("end_turn", "max_tokens")
+    assert all(block.type == "text" for block in m.content)
+    assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 8
+
+
+def test_messages_stream_gives_the_events_the_sdk_assembles(client):
+    with client.messages.stream(model="tiny", max_tokens=8, messages=_user(), extra_body=FAST) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens > 0
+    assert text == "".join(b.text for b in final.content if b.type == "text")
+
+
+def test_a_stop_sequence_is_reported(client):
+    m = client.messages.create(
+        model="tiny", max_tokens=24, messages=_user(), stop_sequences=["e", "a", "o", "i"], extra_body=FAST
+    )
+    if m.stop_reason == "stop_sequence":
+        assert m.stop_sequence in ("e", "a", "o", "i")
+        assert not any(s in b.text for b in m.content for s in "eaoi")
+
+
+def test_a_tool_use_round_trip(client):
+    m = client.messages.create(
+        model="tiny",
+        max_tokens=200,
+        messages=_user("Weather in Paris?"),
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        extra_body=FAST,
+    )
+    assert m.stop_reason == "tool_use"
+    call = next(b for b in m.content if b.type == "tool_use")
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    history = [
+        *_user("Weather in Paris?"),
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}]},
+    ]
+    after = client.messages.create(model="tiny", max_tokens=200, messages=history, tools=[WEATHER], extra_body=FAST)
+    assert after.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_a_named_tool_streams_its_input_as_json_deltas(client):
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=200,
+        messages=_user(),
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=FAST,
+    ) as stream:
+        final = stream.get_final_message()
+    call = next(b for b in final.content if b.type == "tool_use")
+    assert final.stop_reason == "tool_use" and call.name == "get_weather"
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+
+
+def test_structured_output_by_output_config(client):
+    schema = Person.model_json_schema()
+    m = client.messages.create(
+        model="tiny",
+        max_tokens=200,
+        messages=_user("Alice, 30"),
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=FAST,
+    )
+    Person.model_validate_json(m.content[0].text)
+
+
+def test_count_tokens_is_the_prompt_a_create_would_have(client):
+    counted = client.messages.count_tokens(model="tiny", messages=_user("hello there"), system="Be brief.")
+    m = client.messages.create(
+        model="tiny", max_tokens=4, messages=_user("hello there"), system="Be brief.", extra_body=FAST
+    )
+    assert counted.input_tokens == m.usage.input_tokens > 0
+
+
+def test_langchain_anthropic_chat_model(server):
+    langchain_anthropic = pytest.importorskip("langchain_anthropic")
+    llm = langchain_anthropic.ChatAnthropic(
+        model="tiny", base_url=server.url, api_key=KEY, max_tokens=200, max_retries=0, model_kwargs={"extra_body": FAST}
+    )
+    reply = llm.invoke("hi")
+    assert isinstance(reply.content, str | list)
+    person = llm.with_structured_output(Person).invoke("Alice is 30.")
+    assert isinstance(person, Person)
+
+
+def test_errors_are_in_anthropics_shape(client, server):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="tiny", max_tokens=10**7, messages=_user())
+    assert caught.value.body["type"] == "error" and "max_tokens" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-opus", max_tokens=8, messages=_user())
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=8, messages=_user()
+        )
+
+
+_HUGE = "x" * 200_000
+_URL = {"type": "url", "url": "http://x"}
+_ANY = {"type": "any"}
+_ON = {"type": "enabled"}
+
+
+def _blocks(*blocks: dict) -> dict:
+    return {"role": "user", "content": list(blocks)}
+
+
+def _deep(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+HOSTILE = [
+    ("null messages", {"messages": None}, "messages"),
+    ("max_tokens missing", {"max_tokens": None}, "max_tokens"),
+    ("max_tokens a string", {"max_tokens": "8"}, "max_tokens"),
+    ("max_tokens 1e7", {"max_tokens": 10**7}, "max_tokens"),
+    ("an unknown field", {"frob": 1}, "frob"),
+    ("top_k", {"top_k": 5}, "top_k"),
+    ("top_p 0.5", {"top_p": 0.5}, "top_p"),
+    ("a role system", {"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ("a document block", {"messages": [_blocks({"type": "document"})]}, "messages.0.content"),
+    ("an image URL", {"messages": [_blocks({"type": "image", "source": _URL})]}, "messages.0.content"),
+    ("a server tool", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
+    ("tool input_schema 200 deep", {"tools": [{"name": "f", "input_schema": _deep(200)}]}, "tools.0.input_schema"),
+    ("tool_choice any without tools", {"tool_choice": {"type": "any"}}, "tool_choice"),
+    ("a text longer than the context", {"messages": _user(_HUGE * 5)}, "messages"),
+    ("stop_sequences of 100", {"stop_sequences": ["a"] * 100}, "stop_sequences"),
+    ("a dgemma setting out of range", {"dgemma": {"max_denoising_steps": 10**6}}, "dgemma.max_denoising_steps"),
+    ("an unknown dgemma setting", {"dgemma": {"messages": []}}, "dgemma.messages"),
+    ("a lone surrogate", {"messages": _user("\ud800")}, "messages.0.content"),
+    ("thinking with a required call", {"tools": [WEATHER], "tool_choice": _ANY, "thinking": _ON}, "thinking"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, body, param", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_are_4xx_in_anthropics_shape(server, name, body, param):
+    body = {"model": "tiny", "max_tokens": 8, "messages": _user()} | body  # a null is a field not sent
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        if path.endswith("count_tokens"):
+            body = {k: v for k, v in body.items() if k not in ("max_tokens", "stop_sequences", "dgemma", "top_k")}
+            body = body | ({"top_p": None} if "top_p" in body else {})
+        headers = {"x-api-key": KEY, "content-type": "application/json"}
+        response = httpx.post(server.url + path, content=json.dumps(body), headers=headers, timeout=60)
+        if path.endswith("count_tokens") and response.status_code == 200:
+            continue  # the field belongs to generation only
+        assert 400 <= response.status_code < 500, (name, path, response.text[:300])
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+        assert "Traceback" not in response.text
+        if param is not None:
+            assert error["error"]["message"].startswith(param), (name, error)
