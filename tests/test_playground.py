@@ -88,6 +88,11 @@ def test_playground_shows_the_live_canvas_in_every_mode(server, browser):
     WebDriverWait(browser, 20).until(lambda b: "API key" in b.find_element("id", "model").text)
     _set(browser, "key", KEY)  # the page asks for the model list again with the key
     WebDriverWait(browser, 20).until(lambda b: b.find_element("id", "model").text == "tiny")
+    listed = "return [...document.querySelectorAll('#routes li')].map((li) => li.textContent)"
+    WebDriverWait(browser, 20).until(lambda b: len(b.execute_script(listed)) > 10)
+    routes = browser.execute_script(listed)
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat", "/api/generate", "/infill"):
+        assert any(f" {path}:" in route for route in routes), (path, routes)  # every dialect's routes are listed
     if os.environ.get("DGEMMA_SCREENSHOT"):
         browser.save_screenshot(os.environ["DGEMMA_SCREENSHOT"])
     _live_run(browser, "complete", "def f(x):\n")

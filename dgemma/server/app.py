@@ -132,26 +132,26 @@ def _error_response(err: ApiError, path: str) -> JSONResponse:
 def _add_info_routes(app: FastAPI, served: Served, metrics: Metrics) -> None:
     get = functools.partial(_get_and_head, app)
 
-    @get("/", response_class=HTMLResponse)
+    @get("/", response_class=HTMLResponse, summary="the playground")
     async def playground():
         return HTMLResponse((STATIC / "playground.html").read_text())
 
-    @get("/health")
+    @get("/health", summary="liveness")
     async def health():
         e = served.engine
         return {"status": "ok", "model": served.name, "active": e.active, "queued": e.queue_depth}
 
-    @get("/metrics")
+    @get("/metrics", summary="Prometheus metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     card = {"id": served.name, "object": "model", "created": 0, "owned_by": "dgemma"}
 
-    @get("/v1/models")
+    @get("/v1/models", summary="OpenAI: the served model")
     async def models():
         return {"object": "list", "data": [card]}
 
-    @get("/v1/models/{model_id:path}")
+    @get("/v1/models/{model_id:path}", summary="OpenAI: one model's card")
     async def model(model_id: str):
         check_model(served, model_id)
         return card

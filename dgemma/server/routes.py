@@ -46,15 +46,15 @@ SCHEMA = "response_format.json_schema.schema"  # where a schema that cannot be l
 
 
 def add_generation_routes(app: FastAPI, served: Served) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", summary="OpenAI Chat Completions: a chat answer, whole or streamed")
     async def chat(body: ChatCompletionRequest, http: Request):
         return await _chat(served, body, http)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", summary="OpenAI Completions: text after a prompt, or between it and a suffix")
     async def completions(body: CompletionRequest, http: Request):
         return await _completions(served, body, http)
 
-    @app.post("/v1/canvas/score")
+    @app.post("/v1/canvas/score", summary="dgemma: each token of a given canvas scored by the denoiser")
     async def canvas_score(body: CanvasScoreRequest):
         return await _canvas_score(served, body)
 
@@ -218,13 +218,18 @@ class Renames:
         return f"dgemma.{param}" if parts[0] in EXTENSIONS else param
 
 
+def mapped(kind: type, fields: dict, rename: Renames):
+    """The chat or completions body (`kind`) `fields` make; what is wrong is a 400 in the dialect's names."""
+    try:
+        return kind.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e.errors()).renamed(rename) from None
+
+
 async def start_mapped(served: Served, kind: type, fields: dict, http: Request, rename: Renames) -> Started:
     """A dialect's request as the chat (`kind` ChatCompletionRequest) or completions body `fields` make,
     started as that route starts it; every error names the dialect's field (`rename`)."""
-    try:
-        body = kind.model_validate(fields)
-    except ValidationError as e:
-        raise validation_error(e.errors()).renamed(rename) from None
+    body = mapped(kind, fields, rename)
     try:
         if kind is ChatCompletionRequest:
             return await start_chat(served, body, http)
@@ -345,7 +350,7 @@ async def _chat(served: Served, body: ChatCompletionRequest, http: Request):
 # /v1/completions
 
 
-async def _completion_prompts(served: Served, body: CompletionRequest) -> list[list[int]]:
+async def completion_prompts(served: Served, body: CompletionRequest) -> list[list[int]]:
     """Token ids of every prompt (an empty text becomes the BOS token; ids are checked by the task)."""
     check_chars(served, sum(len(p) for p in body.prompt if isinstance(p, str)), "prompt")
     out = []
@@ -379,7 +384,7 @@ async def start_completion(served: Served, body: CompletionRequest, http: Reques
     """A completions body checked, tokenized, mapped to one task per prompt, checked by the tasks and
     submitted: /v1/completions, Ollama's generate and llama.cpp's /infill and /completion start here."""
     check_body(served, body)
-    prompts = await _completion_prompts(served, body)
+    prompts = await completion_prompts(served, body)
     names = {"schema": SCHEMA, "options": "choices", "middle_length": "max_tokens", "prefix": "prompt"}
     tasks = [await checked(served, t, http, names) for t in await completion_tasks(served, body, prompts)]
     want_drafts = body.include_drafts and body.stream

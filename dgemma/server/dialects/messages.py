@@ -42,11 +42,20 @@ from ..protocol import (
     _Body,
     extensions,
 )
-from ..routes import Renames, conversation, start_mapped
+from ..routes import Renames, conversation, mapped, start_mapped
 from ..runs import Served
 
-CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl": ...}: accepted, no prompt cache yet
 Id = Annotated[str, Field(max_length=256)]
+
+
+class Cache(_Body):
+    """A cache breakpoint: accepted, without effect (dgemma keeps no prompt cache yet)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+CacheControl = Cache | None
 
 
 class TextBlock(_Body):
@@ -210,12 +219,9 @@ def chat_fields(body: CountTokensRequest) -> tuple[dict, Renames]:
     names = {
         "tools.*.function.parameters": "tools.*.input_schema",
         "tools.*.function.name": "tools.*.name",
-        "tools": "tools",
-        "tool_choice": "tool_choice",
         "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
         "response_format": "output_config.format",
         "reasoning": "thinking",
-        "max_tokens": "max_tokens",
         "max_completion_tokens": "max_tokens",
         "stop": "stop_sequences",
     }
@@ -223,7 +229,7 @@ def chat_fields(body: CountTokensRequest) -> tuple[dict, Renames]:
 
 
 def add_routes(app: FastAPI, served: Served) -> None:
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", summary="Anthropic Messages: a chat answer, whole or streamed")
     async def messages(body: MessagesRequest, http: Request):
         fields, rename = chat_fields(body)
         settings = {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "stream": body.stream}
@@ -235,11 +241,11 @@ def add_routes(app: FastAPI, served: Served) -> None:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         return await reply.whole()
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", summary="Anthropic Messages: the prompt's tokens, counted")
     async def count_tokens(body: CountTokensRequest):
         fields, rename = chat_fields(body)
         try:
-            prompt, _, _ = await conversation(served, ChatCompletionRequest.model_validate(fields))
+            prompt, _, _ = await conversation(served, mapped(ChatCompletionRequest, fields, rename))
         except ApiError as e:
             raise e.renamed(rename) from None
         return {"input_tokens": len(prompt)}
