@@ -231,11 +231,16 @@ async def start_mapped(served: Served, kind: type, fields: dict, http: Request, 
     started as that route starts it; every error names the dialect's field (`rename`)."""
     body = mapped(kind, fields, rename)
     try:
-        if kind is ChatCompletionRequest:
-            return await start_chat(served, body, http)
-        return await start_completion(served, body, http)
+        started = await (start_chat if kind is ChatCompletionRequest else start_completion)(served, body, http)
     except ApiError as e:
         raise e.renamed(rename) from None
+    return dataclasses.replace(started, pieces=_renamed(started.pieces, rename))
+
+
+async def _renamed(pieces: AsyncIterator[Piece], rename: Renames) -> AsyncIterator[Piece]:
+    """Pieces whose errors (a JSON answer that never validated, say) name the dialect's fields."""
+    async for piece in pieces:
+        yield dataclasses.replace(piece, error=piece.error.renamed(rename)) if piece.error is not None else piece
 
 
 # ------------------------------------------------------------------------------------------------
