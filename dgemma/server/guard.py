@@ -71,7 +71,7 @@ class Guard:
             if err is not None:
                 await send_error(send_counted, err, scope.get("path", ""))
             else:
-                await self.app(scope, _replay(body, receive), send_counted)
+                await self.app(_as_json(scope) if body else scope, _replay(body, receive), send_counted)
         except Exception:  # never a traceback to the client
             log.exception("unhandled error on %s", scope.get("path"))
             if status["code"] is None:  # nothing sent yet
@@ -140,6 +140,13 @@ class Guard:
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than this server takes ({limit} bytes)", code="body_too_large")
+
+
+def _as_json(scope) -> dict:
+    """Every route takes JSON: a body sent as a form (`curl -d`, as Ollama's and llama.cpp's docs show it) or
+    with no type is read as the JSON it was checked to be."""
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 def _replay(body: bytes, receive):

@@ -212,7 +212,7 @@ class Renames:
             pattern = ".".join("*" if p.isdigit() else p for p in head)
             if pattern in self.names:
                 named = self.names[pattern]
-                for i in indices:
+                for i in indices[len(indices) - named.count("*") :]:  # a name with fewer indices keeps the last
                     named = named.replace("*", i, 1)
                 return ".".join([named, *parts[length:]])
         return f"dgemma.{param}" if parts[0] in EXTENSIONS else param
