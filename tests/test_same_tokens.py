@@ -1,5 +1,7 @@
 """A request through the server, the command line and the Python API, with the same settings and seed,
-gives the same tokens: the three front ends are one path to the same canvas loop."""
+gives the same tokens: the three front ends are one path to the same canvas loop. On the server, the same
+task reached through each client dialect (Chat Completions, Responses, Messages, Ollama, llama.cpp's
+/infill) gives the same tokens too: each dialect only maps its body onto the chat or completions body."""
 
 from __future__ import annotations
 
@@ -141,3 +143,86 @@ def test_choices_are_one_program_everywhere(server, model_dir, capsys):
     served = _post(server, "/v1/completions", {"prompt": PROMPT, "choices": options})
     assert api.option == cli["text"] == served["choices"][0]["text"]
     assert [round(s, 4) for s in api.scores] == served["dgemma"]["choices"][0]["choice_scores"]
+
+
+# -- issue 57: the same task reached through every client dialect ----------------------------------------------
+
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+def _dialects(server, chat: dict, responses: dict, messages: dict, ollama: dict | None) -> list[dict]:
+    """The answers of one request in Chat Completions, Responses, Messages and Ollama (each with SHAPED in its
+    own place: chat's top level, the others' `dgemma` key), none streamed (a stream commits early)."""
+    out = [
+        _post(server, "/v1/chat/completions", {"messages": USER, **chat, **SHAPED}),
+        _post(server, "/v1/responses", {"instructions": "Be brief.", "input": PROMPT, **responses, "dgemma": SHAPED}),
+        _post(server, "/v1/messages", {"system": "Be brief.", "messages": USER[1:], **messages, "dgemma": SHAPED}),
+    ]
+    if ollama is not None:
+        body = {"model": "tiny", "messages": USER, "stream": False, **ollama, "dgemma": SHAPED}
+        out.append(_post(server, "/api/chat", body))
+    return out
+
+
+def test_a_chat_answer_is_the_same_tokens_in_every_dialect(server):
+    chat, responses, messages, ollama = _dialects(
+        server, {"max_tokens": 10}, {"max_output_tokens": 10}, {"max_tokens": 10}, {"options": {"num_predict": 10}}
+    )
+    text = chat["choices"][0]["message"]["content"]
+    assert text == responses["output"][0]["content"][0]["text"] == messages["content"][0]["text"]
+    assert text == ollama["message"]["content"]
+    tokens = chat["usage"]["completion_tokens"]
+    assert tokens == responses["usage"]["output_tokens"] == messages["usage"]["output_tokens"] == ollama["eval_count"]
+    prompt = chat["usage"]["prompt_tokens"]
+    assert prompt == responses["usage"]["input_tokens"] == messages["usage"]["input_tokens"]
+    assert prompt == ollama["prompt_eval_count"]
+
+
+def test_a_required_call_is_the_same_in_every_dialect(server):
+    """tool_choice required (chat, Responses) and any (Messages): the same call of the same program; Ollama has
+    no way to require a call."""
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    anthropic = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    chat, responses, messages = _dialects(
+        server,
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"tools": flat, "tool_choice": "required"},
+        {"tools": anthropic, "tool_choice": {"type": "any"}, "max_tokens": 200},
+        None,
+    )
+    call = chat["choices"][0]["message"]["tool_calls"][0]["function"]
+    item = next(o for o in responses["output"] if o["type"] == "function_call")
+    block = next(b for b in messages["content"] if b["type"] == "tool_use")
+    assert call["name"] == item["name"] == block["name"]
+    assert json.loads(call["arguments"]) == json.loads(item["arguments"]) == block["input"]
+
+
+def test_a_json_answer_is_the_same_in_every_dialect(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    chat, responses, messages, ollama = _dialects(
+        server,
+        {"response_format": fmt},
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}},
+        {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}, "max_tokens": 200},
+        {"format": SCHEMA},
+    )
+    text = chat["choices"][0]["message"]["content"]
+    assert text == responses["output"][0]["content"][0]["text"] == messages["content"][0]["text"]
+    assert text == ollama["message"]["content"]
+
+
+def test_an_infill_is_the_same_middle_in_every_dialect(server):
+    """/v1/completions with a suffix, Ollama's generate with a suffix and llama.cpp's /infill: one Infill task
+    (the middle's length given, and chosen by score)."""
+    for length in (3, None):
+        given = {} if length is None else {"max_tokens": length}
+        completions = _post(server, "/v1/completions", {"prompt": PROMPT, "suffix": "return y", **given, **SHAPED})
+        options = {} if length is None else {"num_predict": length}
+        body = {"model": "tiny", "prompt": PROMPT, "suffix": "return y", "stream": False, "options": options}
+        ollama = _post(server, "/api/generate", {**body, "dgemma": SHAPED})
+        n_predict = {} if length is None else {"n_predict": length}
+        body = {"input_prefix": PROMPT, "input_suffix": "return y", **n_predict, "dgemma": SHAPED}
+        llama = _post(server, "/infill", body)
+        middle = completions["choices"][0]["text"]
+        assert middle == ollama["response"] == llama["content"], length
+        assert completions["usage"]["completion_tokens"] == ollama["eval_count"] == llama["tokens_predicted"]
