@@ -1,7 +1,8 @@
 """llama.cpp server's /infill and /completion against a live server, with the bodies llama.vscode sends (no
 client package exists: httpx and llama.cpp's documented fields): the answer and stream shapes, the
-cache-warming call that runs nothing, input_extra, the same tokens as /v1/completions, hostile bodies, and a
-real infill of a Python function body on the shipped code model."""
+cache-warming call that runs nothing, input_extra, the same tokens as /v1/completions, and a real infill of a
+Python function body on the shipped code model. Its hostile bodies are tests/hostile.py's DIALECTS, replayed
+by test_server_fuzz.py."""
 
 from __future__ import annotations
 
@@ -206,94 +207,6 @@ def test_a_request_that_times_out_is_an_error_in_llama_cpps_shape(model_dir):
         assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
         events = _events(live, "/completion", {**slow, "stream": True})
     assert events[-1] == {"error": {"code": 504, "message": events[-1]["error"]["message"], "type": "timeout_error"}}
-
-
-# -- hostile bodies: each a 4xx in llama.cpp's error shape, naming its field -------------------------------------
-
-INFILL, COMPLETION = "/infill", "/completion"
-_P = {"prompt": "x"}
-HOSTILE: list[tuple[str, str, object, tuple[int, ...], str | None]] = [
-    ("infill body a list", INFILL, [1, 2], (400, 422), None),
-    ("infill input_prefix a number", INFILL, {"input_prefix": 5}, (400,), "input_prefix"),
-    ("infill input_suffix null-free list", INFILL, {"input_suffix": ["a"]}, (400,), "input_suffix"),
-    ("infill input_prefix a lone surrogate", INFILL, {"input_prefix": "\ud800"}, (400,), "input_prefix"),
-    ("infill prompt a list of ids", INFILL, {"prompt": [1, 2]}, (400,), "prompt"),
-    ("infill input_extra a string", INFILL, {"input_extra": "x"}, (400,), "input_extra"),
-    ("infill chunk without text", INFILL, {"input_extra": [{"filename": "a"}]}, (400,), "input_extra.0.text"),
-    ("infill chunk unknown field", INFILL, {"input_extra": [{"text": "a", "x": 1}]}, (400,), "input_extra.0.x"),
-    ("infill chunk time", INFILL, {"input_extra": [{"text": "a", "time": "now"}]}, (400,), "input_extra.0.time"),
-    ("infill input_extra 1000 chunks", INFILL, {"input_extra": [{"text": "a"}] * 1000}, (400,), "input_extra"),
-    ("infill input_extra nested lists", INFILL, {"input_extra": [[[[[[{"text": "a"}]]]]]]}, (400,), "input_extra.0"),
-    ("infill n_predict a string", INFILL, {"n_predict": "16"}, (400,), "n_predict"),
-    ("infill n_predict true", INFILL, {"n_predict": True}, (400,), "n_predict"),
-    ("infill n_predict -2", INFILL, {"n_predict": -2}, (400,), "n_predict"),
-    ("infill n_predict 2**40", INFILL, {"n_predict": 2**40}, (400,), "n_predict"),
-    ("infill temperature 99", INFILL, {"temperature": 99}, (400,), "temperature"),
-    ("infill temperature a string", INFILL, {"temperature": "hot"}, (400,), "temperature"),
-    ("infill seed -5", INFILL, {"seed": -5}, (400,), "seed"),
-    ("infill stop a number list", INFILL, {"stop": [1]}, (400,), "stop"),
-    ("infill stop 10 strings", INFILL, {"stop": ["a"] * 10}, (400,), "stop"),
-    ("infill lora an adapter", INFILL, {"lora": [{"id": 0, "scale": 0.5}]}, (400,), "lora"),
-    ("infill grammar", INFILL, {"grammar": "root ::= \"a\""}, (400,), "grammar"),
-    ("infill json_schema", INFILL, {"json_schema": {}}, (400,), "json_schema"),
-    ("infill n_probs", INFILL, {"n_probs": 5}, (400,), "n_probs"),
-    ("infill logit_bias", INFILL, {"logit_bias": [[15043, 1.0]]}, (400,), "logit_bias"),
-    ("infill min_p (unknown)", INFILL, {"min_p": 0.05}, (400,), "min_p"),
-    ("infill top_p 2", INFILL, {"top_p": 2}, (400,), "top_p"),
-    ("infill top_k a float", INFILL, {"top_k": 40.5}, (400,), "top_k"),
-    ("infill samplers numbers", INFILL, {"samplers": [1]}, (400,), "samplers.0"),
-    ("infill samplers an object", INFILL, {"samplers": {"a": 1}}, (400,), "samplers"),
-    ("infill samplers 100", INFILL, {"samplers": ["top_k"] * 100}, (400,), "samplers"),
-    ("infill cache_prompt a string", INFILL, {"cache_prompt": "yes"}, (400,), "cache_prompt"),
-    ("infill t_max_predict_ms huge", INFILL, {"t_max_predict_ms": 2**40}, (400,), "t_max_predict_ms"),
-    ("infill stream a string", INFILL, {"stream": "true"}, (400,), "stream"),
-    ("infill dgemma a string", INFILL, {"dgemma": "x"}, (400,), "dgemma"),
-    ("infill dgemma unknown setting", INFILL, {"dgemma": {"bogus": 1}}, (400,), "dgemma.bogus"),
-    ("infill dgemma steps 0", INFILL, {"dgemma": {"max_denoising_steps": 0}}, (400,), "dgemma.max_denoising_steps"),
-    ("infill another model", INFILL, {"model": "other"}, (404,), "model"),
-    ("infill warming with a bad temperature", INFILL, {"n_predict": 0, "temperature": -1}, (400,), "temperature"),
-    ("infill warming with another model", INFILL, {"n_predict": 0, "model": "other"}, (404,), "model"),
-    ("infill prefix of 2M characters", INFILL, {"input_prefix": "x" * 2_000_000}, (400, 413), "input_prefix"),
-    ("completion body a string", COMPLETION, "x", (400, 422), None),
-    ("completion without prompt", COMPLETION, {"n_predict": 4}, (400,), "prompt"),
-    ("completion prompt null", COMPLETION, {"prompt": None}, (400,), "prompt"),
-    ("completion prompt empty ids", COMPLETION, {"prompt": []}, (400,), "prompt"),
-    ("completion two prompts", COMPLETION, {"prompt": ["a", "b"]}, (400,), "prompt"),
-    ("completion ids and text mixed", COMPLETION, {"prompt": [1, "a"]}, (400,), "prompt"),
-    ("completion prompt an object", COMPLETION, {"prompt": {"prompt_string": "x"}}, (400,), "prompt"),
-    ("completion id -1", COMPLETION, {"prompt": [-1]}, (400,), "prompt"),
-    ("completion id past the vocabulary", COMPLETION, {"prompt": [10**9]}, (400,), "prompt"),
-    ("completion warming, id past the vocabulary", COMPLETION, {"prompt": [10**9], "n_predict": 0}, (400,), "prompt"),
-    ("completion prompt a lone surrogate", COMPLETION, {"prompt": "a\ud800"}, (400,), "prompt"),
-    ("completion n_predict 2**40", COMPLETION, {**_P, "n_predict": 2**40}, (400,), "n_predict"),
-    ("completion n_probs", COMPLETION, {**_P, "n_probs": 3}, (400,), "n_probs"),
-    ("completion n_cmpl (unknown)", COMPLETION, {**_P, "n_cmpl": 2}, (400,), "n_cmpl"),
-    ("completion seed a float", COMPLETION, {**_P, "seed": 1.5}, (400,), "seed"),
-    ("completion dgemma.ignore_eos", COMPLETION, {**_P, "dgemma": {"ignore_eos": "y"}}, (400,), "dgemma.ignore_eos"),
-]  # fmt: skip
-
-
-def _raw(server, path: str, body: object) -> httpx.Response:
-    """`body` as json.dumps writes it (a lone surrogate as its `\\ud800` escape)."""
-    headers = {**AUTH, "Content-Type": "application/json"}
-    return httpx.post(server.url + path, content=json.dumps(body).encode(), headers=headers, timeout=60)
-
-
-@pytest.mark.parametrize("name, path, body, statuses, param", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_bodies(server, name, path, body, statuses, param):
-    """Each is a 4xx in llama.cpp's error shape ({"error": {code, message, type}}) naming its field, and
-    none reaches the engine."""
-    before = _submitted(server)
-    r = _raw(server, path, body)
-    assert r.status_code in statuses, r.text
-    error = r.json()["error"]
-    assert set(error) == {"code", "message", "type"} and error["code"] == r.status_code, error
-    if param is not None and r.status_code != 413:
-        assert error["message"].startswith(param + ":") or error["message"].startswith(param + " "), error
-    if isinstance(body, dict) and "stream" not in body:  # streamed, the same error before any event
-        again = _raw(server, path, {**body, "stream": True})
-        assert again.status_code == r.status_code and again.json() == r.json()
-    assert _submitted(server) == before
 
 
 # -- the shipped code model ---------------------------------------------------------------------------------------

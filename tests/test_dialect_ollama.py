@@ -1,7 +1,7 @@
 """The Ollama API against a live server, through the `ollama` package and langchain-ollama: chat and generate
 (fill-in-the-middle by `suffix`), streamed as NDJSON and not, `format` with a schema, a conversation that
-replays a tool call, the model routes (list, show, ps, version), the load pings, and hostile bodies answered
-as 4xx in Ollama's error shape ({"error": "<field>: ..."})."""
+replays a tool call, the model routes (list, show, ps, version) and the load pings. Its hostile bodies, each a
+4xx in Ollama's error shape ({"error": "<field>: ..."}), are tests/hostile.py's DIALECTS (test_server_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_a_tool_message_without_names_answers_the_next_call_before_it():
     from dgemma.server.dialects.ollama import OllamaChatRequest, _chat_messages
 
     calls = [{"function": {"name": name, "arguments": {}}} for name in ("f", "g")]
-    messages = [*_USER, {"role": "assistant", "tool_calls": calls}]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}]
     messages += [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
     body = OllamaChatRequest.model_validate({"model": "tiny", "messages": messages})
     assert [m.get("name") for m in _chat_messages(body.messages)] == [None, None, "f", "g"]
@@ -230,113 +230,3 @@ def test_langchain_ollama_chat_model(server):
     assert isinstance(llm.invoke("hi", options=OPTIONS).content, str)  # (options replace the model's own)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Alice is 30.", options=FAST)
     assert isinstance(person, Person)
-
-
-# -- hostile bodies: each a 4xx in Ollama's shape, naming the field ---------------------------------------------
-
-_USER = [{"role": "user", "content": "x"}]
-_DEEP: dict = {"type": "string"}
-for _ in range(200):
-    _DEEP = {"type": "array", "items": _DEEP}
-
-
-def _c(**fields) -> dict:
-    return {"model": "tiny", "messages": _USER, "options": OPTIONS, **fields}
-
-
-def _g(**fields) -> dict:
-    return {"model": "tiny", "prompt": "x", "options": OPTIONS, **fields}
-
-
-def _say(*before: dict, **message) -> dict:
-    """A chat body whose last message is `message` (a user's unless it says)."""
-    return _c(messages=[*before, {"role": "user", **message}])
-
-
-def _o(**options) -> dict:
-    return _c(options=options)
-
-
-_CALL = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
-_NAMELESS = {"role": "assistant", "tool_calls": [{"function": {}}]}
-_F = {"type": "function", "function": {"name": "f", "parameters": _DEEP}}
-_ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
-
-HOSTILE: list[tuple[str, str, object, tuple[int, ...], str | None]] = [
-    ("chat: model missing", CHAT, {"messages": _USER}, (400,), "model"),
-    ("chat: model null", CHAT, _c(model=None), (400,), "model"),
-    ("chat: another model", CHAT, _c(model="llama3"), (404,), "model"),
-    ("chat: messages a string", CHAT, _c(messages="hi"), (400,), "messages"),
-    ("chat: messages 3000", CHAT, _c(messages=_USER * 3000), (400,), "messages"),
-    ("chat: a role robot", CHAT, _say(role="robot", content="x"), (400,), "messages.0.role"),
-    ("chat: content a number", CHAT, _say(content=5), (400,), "messages.0.content"),
-    ("chat: a lone surrogate", CHAT, _say(content="\ud800"), (400,), "messages.0.content"),
-    ("chat: an image not base64", CHAT, _say(content="x", images=["!!"]), (400,), "messages.0.images.0"),
-    ("chat: an image not an image", CHAT, _say(images=["AAAAAAAA"]), (400,), "messages.0.images.0"),
-    ("chat: an image in a system message", CHAT, _say(role="system", images=[PNG]), (400,), "messages.0.images"),
-    ("chat: images a string", CHAT, _say(images=PNG), (400,), "messages.0.images"),
-    ("chat: call arguments a string", CHAT, _say(_USER[0], **_CALL), (400,), _ARGUMENTS),
-    ("chat: a call without a name", CHAT, _say(_USER[0], **_NAMELESS), (400,), "messages.1.tool_calls.0.function.name"),
-    ("chat: tools a string", CHAT, _c(tools=["f"]), (400,), "tools.0"),
-    ("chat: tool parameters 200 deep", CHAT, _c(tools=[_F]), (400,), "tools.0.function.parameters"),
-    ("chat: format xml", CHAT, _c(format="xml"), (400,), "format"),
-    ("chat: format 200 deep", CHAT, _c(format=_DEEP), (400,), "format"),
-    ("chat: format json with tools", CHAT, _c(format="json", tools=[WEATHER]), (400,), "tools"),
-    ("chat: format json with think", CHAT, _c(format="json", think=True), (400,), "think"),
-    ("chat: think high", CHAT, _c(think="high"), (400,), "think"),
-    ("chat: stream yes", CHAT, _c(stream="yes"), (400,), "stream"),
-    ("chat: keep_alive forever", CHAT, _c(keep_alive="forever"), (400,), "keep_alive"),
-    ("chat: tool_choice", CHAT, _c(tool_choice="auto"), (400,), "tool_choice"),
-    ("chat: logprobs", CHAT, _c(logprobs=True), (400,), "logprobs"),
-    ("chat: options a list", CHAT, _c(options=[1]), (400,), "options"),
-    ("chat: options.top_k 40", CHAT, _o(top_k=40), (400,), "options.top_k"),
-    ("chat: options.top_p 0.9", CHAT, _o(top_p=0.9), (400,), "options.top_p"),
-    ("chat: options.repeat_penalty 1.1", CHAT, _o(repeat_penalty=1.1), (400,), "options.repeat_penalty"),
-    ("chat: options.num_ctx -1", CHAT, _o(num_ctx=-1), (400,), "options.num_ctx"),
-    ("chat: options.num_gpu a string", CHAT, _o(num_gpu="all"), (400,), "options.num_gpu"),
-    ("chat: options.temperature hot", CHAT, _o(temperature="hot"), (400,), "options.temperature"),
-    ("chat: options.num_predict 1e9", CHAT, _o(num_predict=10**9), (400,), "options.num_predict"),
-    ("chat: options.stop of 100", CHAT, _o(stop=["a"] * 100), (400,), "options.stop"),
-    ("chat: options.frobnicate", CHAT, _o(frobnicate=1), (400,), "options.frobnicate"),
-    (
-        "chat: options.max_denoising_steps 1e6",
-        CHAT,
-        _o(max_denoising_steps=10**6),
-        (400,),
-        "options.max_denoising_steps",
-    ),
-    (
-        "chat: dgemma out of range",
-        CHAT,
-        _c(dgemma={"max_denoising_steps": 10**6}),
-        (400,),
-        "dgemma.max_denoising_steps",
-    ),
-    ("chat: dgemma unknown", CHAT, _c(dgemma={"messages": []}), (400,), "dgemma.messages"),
-    ("chat: a body that is a list", CHAT, [1, 2], (400,), None),
-    ("chat: a text longer than the context", CHAT, _say(content="x " * 400_000), (400, 413), None),
-    ("generate: template", GENERATE, _g(template="{{ .Prompt }}"), (400,), "template"),
-    ("generate: context", GENERATE, _g(context=[1, 2, 3]), (400,), "context"),
-    ("generate: system with raw", GENERATE, _g(raw=True, system="s"), (400,), "system"),
-    ("generate: images with a suffix", GENERATE, _g(suffix="y", images=[PNG]), (400,), "images"),
-    ("generate: think with a suffix", GENERATE, _g(suffix="y", think=True), (400,), "think"),
-    ("generate: a suffix with format json", GENERATE, _g(suffix="y", format="json"), (400,), "suffix"),
-    ("generate: prompt a number", GENERATE, _g(prompt=5), (400,), "prompt"),
-    ("generate: raw a string", GENERATE, _g(raw="true"), (400,), "raw"),
-    ("generate: an image not an image", GENERATE, _g(images=["AAAAAAAA"]), (400,), "images.0"),
-    ("generate: options.num_predict 0", GENERATE, _g(options={"num_predict": 0}), (400,), "options.num_predict"),
-    ("generate: options.seed a string", GENERATE, _g(suffix="y", options={"seed": "1"}), (400,), "options.seed"),
-    ("generate: an unknown field", GENERATE, _g(n=2), (400,), "n"),
-    ("show: no model", SHOW, {}, (400,), "model"),
-    ("show: another model", SHOW, {"model": "llama3"}, (404,), "model"),
-]
-
-
-@pytest.mark.parametrize("name, path, body, statuses, param", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_bodies_are_4xx_in_ollamas_shape(server, name, path, body, statuses, param):
-    response = _post(server, path, body)
-    assert response.status_code in statuses, (name, response.text[:300])
-    error = response.json()
-    assert set(error) == {"error"} and isinstance(error["error"], str), error
-    if param is not None:
-        assert error["error"].startswith(param), (name, error)

@@ -1,6 +1,7 @@
 """OpenAI's Responses API (POST /v1/responses) against a live server, with the clients that speak it: the
 `openai` SDK (`responses.create`, `.stream`, `.parse`, a function tool round trip) and the `openai-agents` SDK
-(an Agent with one function tool run to its final output), and the hostile bodies of the route."""
+(an Agent with one function tool run to its final output). The route's hostile bodies are tests/hostile.py's
+DIALECTS, replayed by test_server_fuzz.py."""
 
 from __future__ import annotations
 
@@ -247,6 +248,7 @@ def test_items_map_onto_chat_messages():
     message knows the item it came from (what errors name)."""
     from dgemma.server.dialects.responses import ResponsesRequest, chat_fields
 
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
     items = [
         {"role": "user", "content": "Weather in Paris and Oslo?"},
         {
@@ -254,8 +256,8 @@ def test_items_map_onto_chat_messages():
             "role": "assistant",
             "content": [{"type": "output_text", "text": "Looking.", "annotations": []}],
         },
-        {**_CALL, "arguments": '{"city": "Paris"}'},
-        {**_CALL, "call_id": "c2", "arguments": '{"city": "Oslo"}'},
+        {**call, "arguments": '{"city": "Paris"}'},
+        {**call, "call_id": "c2", "arguments": '{"city": "Oslo"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "9 C"}]},
     ]
@@ -426,190 +428,6 @@ def test_bad_requests_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input="x", **extra)
     assert e.value.body["param"] == param, e.value.body
-
-
-USER = [{"role": "user", "content": "x"}]
-_CALL = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
-_IMAGE = "data:image/png;base64,AA"
-
-
-def _x(**fields) -> dict:
-    """A body of input "x" and `fields`."""
-    return {"input": "x", **fields}
-
-
-def _items(*items: object) -> dict:
-    return {"input": list(items)}
-
-
-def _parts(*parts: dict, role: str = "user") -> dict:
-    """One message of these content parts."""
-    return _items({"role": role, "content": list(parts)})
-
-
-def _deep(depth: int) -> str:
-    return '{"a":' * depth + "1" + "}" * depth
-
-
-# (name, path, body, statuses, the param the error names or None)
-HOSTILE: list[tuple[str, str, object, tuple[int, ...], str | None]] = [
-    ("responses: no input", PATH, {"model": "tiny"}, (400,), "input"),
-    ("responses: input null", PATH, {"input": None}, (400,), "input"),
-    ("responses: input a number", PATH, {"input": 5}, (400,), "input"),
-    ("responses: input an object", PATH, {"input": {"role": "user"}}, (400,), "input"),
-    ("responses: empty input", PATH, {"input": []}, (400,), "input"),
-    ("responses: 3000 items", PATH, {"input": USER * 3000}, (400,), "input"),
-    ("responses: an item not an object", PATH, _items("hi"), (400,), "input.0"),
-    ("responses: an unknown item type", PATH, _items({"type": "reasoning", "summary": []}), (400,), "input.0.type"),
-    ("responses: an item reference", PATH, _items({"type": "item_reference", "id": "x"}), (400,), "input.0.type"),
-    ("responses: a message without a role", PATH, _items({"content": "x"}), (400,), "input.0.role"),
-    ("responses: a tool role", PATH, _items({"role": "tool", "content": "x"}), (400,), "input.0.role"),
-    ("responses: content a number", PATH, _items({"role": "user", "content": 3}), (400,), "input.0.content"),
-    ("responses: an unknown item field", PATH, _items({**USER[0], "x": 1}), (400,), "input.0.x"),
-    ("responses: a lone surrogate", PATH, {"input": "\ud800"}, (400,), "input"),
-    (
-        "responses: a lone surrogate in a part",
-        PATH,
-        _parts({"type": "input_text", "text": "\udfff"}),
-        (400,),
-        "input.0.content.0.text",
-    ),
-    ("responses: a file part", PATH, _parts({"type": "input_file", "file_id": "f"}), (400,), "input.0.content.0.type"),
-    (
-        "responses: an image by file id",
-        PATH,
-        _parts({"type": "input_image", "file_id": "f", "image_url": _IMAGE}),
-        (400,),
-        "input.0.content.0.file_id",
-    ),
-    (
-        "responses: a remote image",
-        PATH,
-        _parts({"type": "input_image", "image_url": "https://x/y.png"}),
-        (400,),
-        "input.0.content",
-    ),
-    (
-        "responses: an assistant's image",
-        PATH,
-        _parts({"type": "input_image", "image_url": _IMAGE}, role="assistant"),
-        (400,),
-        "input.0.content",
-    ),
-    (
-        "responses: annotations",
-        PATH,
-        _parts({"type": "output_text", "text": "x", "annotations": [{}]}, role="assistant"),
-        (400,),
-        "input.0.content.0.annotations",
-    ),
-    (
-        "responses: a call without call_id",
-        PATH,
-        _items(*USER, {"type": "function_call", "name": "f"}),
-        (400,),
-        "input.1.call_id",
-    ),
-    ("responses: a call with a bad name", PATH, _items(*USER, {**_CALL, "name": "bad name"}), (400,), "input.1.name"),
-    (
-        "responses: call arguments 200 deep",
-        PATH,
-        _items(*USER, {**_CALL, "arguments": _deep(200)}),
-        (400,),
-        "input.1.arguments",
-    ),
-    (
-        "responses: an output without its call",
-        PATH,
-        _items(*USER, {"type": "function_call_output", "call_id": "c9", "output": "x"}),
-        (400,),
-        "input",
-    ),
-    (
-        "responses: an output null",
-        PATH,
-        _items(*USER, _CALL, {"type": "function_call_output", "call_id": "c1", "output": None}),
-        (400,),
-        "input.2.output",
-    ),
-    ("responses: instructions a list", PATH, _x(instructions=["a"]), (400,), "instructions"),
-    (
-        "responses: a hosted tool",
-        PATH,
-        _x(tools=[{"type": "file_search", "vector_store_ids": []}]),
-        (400,),
-        "tools.0.type",
-    ),
-    (
-        "responses: a chat-shaped tool",
-        PATH,
-        _x(tools=[{"type": "function", "function": {"name": "f"}}]),
-        (400,),
-        "tools.0.name",
-    ),
-    ("responses: 200 tools", PATH, _x(tools=[TIME] * 200), (400,), "tools"),
-    (
-        "responses: tool parameters 100 deep",
-        PATH,
-        _x(tools=[{**TIME, "parameters": json.loads(_deep(100))}]),
-        (400,),
-        "tools.0.parameters",
-    ),
-    ("responses: a hosted tool choice", PATH, _x(tool_choice={"type": "web_search_preview"}), (400,), "tool_choice"),
-    ("responses: tool_choice a number", PATH, _x(tool_choice=1), (400,), "tool_choice"),
-    ("responses: text.format yaml", PATH, _x(text={"format": {"type": "yaml"}}), (400,), "text.format.type"),
-    (
-        "responses: a schema without a name",
-        PATH,
-        _x(text={"format": {"type": "json_schema", "schema": {}}}),
-        (400,),
-        "text.format.name",
-    ),
-    (
-        "responses: a schema with type text",
-        PATH,
-        _x(text={"format": {"type": "text", "schema": {}}}),
-        (400,),
-        "text.format",
-    ),
-    ("responses: verbosity high", PATH, _x(text={"verbosity": "high"}), (400,), "text.verbosity"),
-    ("responses: max_output_tokens 1e7", PATH, _x(max_output_tokens=10**7), (400,), "max_output_tokens"),
-    ("responses: max_output_tokens a string", PATH, _x(max_output_tokens="8"), (400,), "max_output_tokens"),
-    ("responses: temperature 9", PATH, _x(temperature=9), (400,), "temperature"),
-    ("responses: stream a string", PATH, _x(stream="yes"), (400,), "stream"),
-    ("responses: metadata", PATH, _x(metadata={"a": "b"}), (400,), "metadata"),
-    ("responses: include logprobs", PATH, _x(include=["message.output_text.logprobs"]), (400,), "include"),
-    ("responses: truncation auto", PATH, _x(truncation="auto"), (400,), "truncation"),
-    ("responses: background", PATH, _x(background=True), (400,), "background"),
-    ("responses: reasoning", PATH, _x(reasoning={"effort": "high"}), (400,), "reasoning"),
-    ("responses: conversation", PATH, _x(conversation="conv_1"), (400,), "conversation"),
-    ("responses: an unknown field", PATH, _x(frobnicate=1), (400,), "frobnicate"),
-    ("responses: an unknown dgemma setting", PATH, _x(dgemma={"n": 2}), (400,), "dgemma.n"),
-    (
-        "responses: a dgemma setting out of range",
-        PATH,
-        _x(dgemma={"max_denoising_steps": 10**6}),
-        (400,),
-        "dgemma.max_denoising_steps",
-    ),
-    ("responses: dgemma a list", PATH, _x(dgemma=[1]), (400,), "dgemma"),
-    ("responses: a model that is not served", PATH, _x(model="gpt-5"), (404,), "model"),
-    ("responses: not an object", PATH, b"[1, 2]", (400,), None),
-    ("responses: nested 100000 deep", PATH, b"[" * 100_000 + b"]" * 100_000, (400,), None),
-    ("responses: a prompt longer than any context", PATH, {"input": "w " * 1_000_000}, (400,), "input"),
-]
-
-
-@pytest.mark.parametrize("name, path, body, statuses, param", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_bodies_are_4xx_naming_the_field(server, name, path, body, statuses, param):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    r = httpx.post(server.url + path, content=content, headers=headers, timeout=120)
-    assert r.status_code in statuses, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "Traceback" not in r.text
-    if param is not None:
-        assert err["param"] == param or err["param"].startswith(param + "."), err
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,7 +1,9 @@
 """Property-based fuzzing of the live server from its own OpenAPI schema (schemathesis): whatever the body,
-the answer is never a 5xx. Generation sizes are clamped so that each case stays short on a CPU; the
-oversized and invalid values themselves are covered by test_server_limits.py, and the requests that once
-broke the server (tests/hostile.py) are replayed here, one by one and then under concurrent streams."""
+the answer is never a 5xx, and an error is in the shape of the route's dialect. Generation sizes are clamped
+so that each case stays short on a CPU; the oversized and invalid values themselves are covered by
+test_server_limits.py, and the requests that once broke the server (tests/hostile.py, and its DIALECTS for
+the Responses, Messages, Ollama and llama.cpp routes) are replayed here, one by one and then under concurrent
+streams."""
 
 from __future__ import annotations
 
@@ -12,38 +14,95 @@ import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hostile import HOSTILE, ISSUE_56, PARAMS, is_openai_error, replay  # noqa: E402
+from hostile import (  # noqa: E402
+    DIALECTS,
+    HOSTILE,
+    ISSUE_56,
+    PARAMS,
+    STREAMED,
+    body_bytes,
+    dialect_error,
+    is_openai_error,
+    replay,
+)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from live_server import KEY  # noqa: E402
 
+from dgemma.server.protocol import dialect_of  # noqa: E402
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
 # the largest value each field keeps when it is a number (smaller and invalid values pass unchanged); a
 # missing max_tokens is set too, so that no case generates up to the context's end
 CLAMP = {"max_tokens": 12, "max_completion_tokens": 12, "max_denoising_steps": 3, "n": 2}
+# the same for the dialect routes, by path: (where, field, its largest value); `where` is the body itself or
+# the object under that key (created when missing, left alone when the fuzzer chose a non-object). The
+# lengths that mean "not given" (llama.cpp's -1, Ollama's -1 and -2) are clamped as well.
+FAST = ("dgemma", "max_denoising_steps", 3)
+DIALECT_CLAMP = {
+    "/api/chat": [("options", "num_predict", 8), ("options", "max_denoising_steps", 3)],
+    "/api/generate": [("options", "num_predict", 8), ("options", "max_denoising_steps", 3)],
+    "/v1/messages": [(None, "max_tokens", 8), FAST],
+    "/v1/responses": [(None, "max_output_tokens", 12), FAST],
+    "/infill": [(None, "n_predict", 8), FAST],
+    "/completion": [(None, "n_predict", 8), FAST],
+}
+DIALECT_EXAMPLES = 15  # examples per operation of the dialect routes (40 doubled the run's time)
+DIALECT_ROUTES = {
+    "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /infill", "POST /completion",
+    "POST /api/chat", "POST /api/generate", "POST /api/show", "GET /api/tags", "GET /api/ps", "GET /api/version",
+}  # fmt: skip
+UNBOUNDED = {"n_predict": (-1,), "num_predict": (-1, -2)}
+
+
+def _clamp(body: dict, name: str, top: int) -> None:
+    """`body[name]` at most `top` (set when missing; an invalid value is left to be refused)."""
+    value = body.setdefault(name, top)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and (value > top or value in UNBOUNDED.get(name, ())):
+        body[name] = top
+
+
+def _clamped(path: str, body: dict) -> None:
+    if path in DIALECT_CLAMP:
+        for where, name, top in DIALECT_CLAMP[path]:
+            inner = body if where is None else body.setdefault(where, {})
+            if isinstance(inner, dict):
+                _clamp(inner, name, top)
+        if path.startswith("/api/"):
+            body.setdefault("stream", False)  # Ollama streams unless told not to
+            if isinstance(body.get("model"), str):  # the served one: else nearly every case is a 404 (DIALECTS
+                body["model"] = "tiny"  # holds another model's)
+            if "num_predict" in body:  # where Open WebUI puts it
+                _clamp(body, "num_predict", 8)
+    elif dialect_of(path) == "openai":
+        body.setdefault("max_tokens", CLAMP["max_tokens"])
+        for name, top in CLAMP.items():
+            value = body.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > top:
+                body[name] = top
 
 
 def _check(case) -> None:
     if isinstance(case.body, dict):
-        case.body.setdefault("max_tokens", CLAMP["max_tokens"])
-        for name, top in CLAMP.items():
-            value = case.body.get(name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > top:
-                case.body[name] = top
-    response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        _clamped(case.path, case.body)
+    response = case.call(headers=AUTH, timeout=120)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-    if response.status_code >= 400:  # an OpenAI-style error body, never a traceback
-        assert response.json()["error"]["message"] and "Traceback" not in response.text
+    if response.status_code >= 400:  # an error body in the route's dialect, never a traceback
+        assert dialect_error(response) is not None, (case.method, case.path, case.body, response.text[:500])
 
 
 def test_no_server_errors(server):
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
         "POST /v1/chat/completions",
         "POST /v1/completions",
         "GET /v1/models",
+        *DIALECT_ROUTES,
     }
     for op in operations:
-        run = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)(
+        examples = DIALECT_EXAMPLES if f"{op.method.upper()} {op.path}" in DIALECT_ROUTES else 40
+        run = settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)(
             given(case=op.as_strategy())(_check)
         )
         run()
@@ -84,9 +143,33 @@ def test_errors_knowable_before_a_pass_never_reach_the_engine(server, name, path
     assert _submitted(server) == before
 
 
+def _post(server, path: str, body: object) -> httpx.Response:
+    """`body` as it is (bytes, or JSON as json.dumps writes it: a lone surrogate as its escape)."""
+    headers = {**AUTH, "Content-Type": "application/json"}
+    return httpx.post(server.url + path, content=body_bytes(body), headers=headers, timeout=120)
+
+
+@pytest.mark.parametrize("name, path, body, statuses, param", DIALECTS, ids=[d[0] for d in DIALECTS])
+def test_hostile_dialect_body_is_a_4xx_in_its_shape(server, name, path, body, statuses, param):
+    """Issue 57: each hostile body of a dialect's route is a 4xx in that dialect's error shape, naming its
+    field (or a field inside it), the same error streamed or not, and the engine never sees it."""
+    before = _submitted(server)
+    response = _post(server, path, body)
+    error = dialect_error(response)
+    assert response.status_code in statuses and error is not None, (response.status_code, response.text[:300])
+    if param is not None and response.status_code != 413:  # (a body too large is refused before it is read)
+        named = error[1] or ""
+        deeper = dialect_of(path) != "llama.cpp"  # (llama.cpp's name the very field)
+        assert named == param or (deeper and named.startswith(param + ".")), (param, error)
+    if isinstance(body, dict) and path in STREAMED and "stream" not in body:
+        streamed = _post(server, path, {**body, "stream": not path.startswith("/api/")})  # Ollama's default: True
+        assert (streamed.status_code, streamed.json()) == (response.status_code, response.json())
+    assert _submitted(server) == before
+
+
 def test_hostile_requests_under_concurrent_streams(server):
-    """16 clients at once, each streaming a real completion and replaying a share of the hostile requests:
-    no 5xx, every stream ends with [DONE], and /health answers promptly throughout."""
+    """16 clients at once, each streaming a real completion and replaying a share of the hostile requests
+    (every dialect's too): no 5xx, every stream ends with [DONE], and /health answers promptly throughout."""
 
     async def stream(client) -> tuple[int, str]:
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "stream": True}
@@ -102,7 +185,7 @@ def test_hostile_requests_under_concurrent_streams(server):
 
     async def worker(client, i: int) -> list[int]:
         statuses = []
-        for name, path, body, _ in HOSTILE[i::16]:
+        for name, path, body, *_ in [*HOSTILE, *DIALECTS][i::16]:
             if name == "100 MB body":
                 continue  # sent once above; 16 copies would only measure loopback bandwidth
             statuses.append((await replay(client, path, body, KEY)).status_code)

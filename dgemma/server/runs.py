@@ -80,6 +80,13 @@ class Choice:
     finish_reason: str | None = None  # set by a program whose answer is whole ("stop")
     logprobs: tuple[list[float], list] | None = None  # with logprobs: per output token, and its alternatives
 
+    def stop_string(self, decode: Callable[[list[int]], str]) -> str | None:
+        """The stop string that ended this choice's text, or None."""
+        if not self.text.stopped:
+            return None
+        text = decode(self.tokens) if self.answer is None else self.answer
+        return next((s for s in self.text.stops or [] if text.startswith(s, self.text.cut)), None)
+
 
 def as_api_error(event: Exception) -> ApiError:
     """The HTTP answer to an exception the engine reported for a request."""

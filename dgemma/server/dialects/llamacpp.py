@@ -238,9 +238,8 @@ def _stop_type(served: Served, body: LlamaSettings, choice: Choice | None, reaso
     """llama.cpp's stop_type and stopping_word: a stop string ("word"), the length asked for ("limit"), else
     "eos". A middle is whole unless n_predict sized it and it fills that length (an infill's rows run past
     end-of-text tokens, so their finish reason is always the length)."""
-    if choice is not None and choice.text.stopped:
-        text = served.decode(choice.tokens) if choice.answer is None else choice.answer
-        word = next((s for s in choice.text.stops or [] if text.startswith(s, choice.text.cut)), "")
+    word = choice.stop_string(served.decode) if choice is not None else None
+    if word is not None:
         return "word", word
     if choice is not None and "middle_length" in choice.details:
         sized = body.n_predict not in (None, -1) and choice.returned_tokens >= choice.details["middle_length"]

@@ -265,12 +265,8 @@ class _Reply:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if reason == "length":
             return {"stop_reason": "max_tokens", "stop_sequence": None}
-        text = self.choice.text
-        if text.stopped and text.stops:
-            decoded = self.served.decode(self.choice.tokens)
-            hit = next((s for s in text.stops if decoded.startswith(s, text.cut)), None)
-            return {"stop_reason": "stop_sequence", "stop_sequence": hit}
-        return {"stop_reason": "end_turn", "stop_sequence": None}
+        hit = self.choice.stop_string(self.served.decode)
+        return {"stop_reason": "stop_sequence" if hit else "end_turn", "stop_sequence": hit}
 
     def usage(self) -> dict:
         return {
