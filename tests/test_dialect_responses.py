@@ -220,9 +220,9 @@ def test_an_error_mid_stream_is_an_error_event_then_failed():
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
+    from dgemma.server.dialects import Renames
     from dgemma.server.dialects.responses import ResponsesRequest, _events, _Response
     from dgemma.server.protocol import ApiError
-    from dgemma.server.routes import Renames
     from dgemma.server.runs import Piece
 
     async def pieces():

@@ -33,9 +33,9 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str], dict[int, list]]:
+async def gather(pieces, choices: int = 1) -> tuple[dict[int, dict[str, str]], dict[int, str], dict[int, list]]:
     """Non-streaming: the text of every choice by kind, each one's finish reason and its tool calls (errors
-    raise)."""
+    raise; a 499 when the client left before all `choices` ended)."""
     texts: dict[int, dict[str, str]] = {}
     reasons: dict[int, str] = {}
     calls: dict[int, list] = {}
@@ -49,6 +49,8 @@ async def gather(pieces) -> tuple[dict[int, dict[str, str]], dict[int, str], dic
         elif piece.kind in ("content", "reasoning"):
             parts = texts.setdefault(piece.index, {})
             parts[piece.kind] = parts.get(piece.kind, "") + piece.text
+    if len(reasons) < choices:
+        raise ApiError(499, "the client closed the request")
     return texts, reasons, calls
 
 
@@ -77,9 +79,7 @@ async def with_calls(pieces, most: int | None = None):
 
 async def chat_answer(served, body: ChatCompletionRequest, started) -> dict:
     choices = started.choices
-    texts, reasons, calls = await gather(started.pieces)
-    if len(reasons) < len(choices):
-        raise ApiError(499, "the client closed the request")
+    texts, reasons, calls = await gather(started.pieces, len(choices))
     out = []
     for c in choices:
         parts = texts.get(c.index, {})
@@ -202,9 +202,7 @@ async def completion_logprobs(served: Served, body: CompletionRequest, choices, 
 
 
 async def completion_answer(served, body: CompletionRequest, pieces, choices, echoes, prompts, plan, scored):
-    texts, reasons, _ = await gather(pieces)
-    if len(reasons) < len(choices):
-        raise ApiError(499, "the client closed the request")
+    texts, reasons, _ = await gather(pieces, len(choices))
     blocks = await completion_logprobs(served, body, choices, echoes, prompts, scored)
     out = [
         {

@@ -173,7 +173,7 @@ _NO_OP_VALUES: dict[str, tuple] = {
 }
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     """A part of a request: unknown fields are refused, and `null` for a field means "not sent" (OpenAI's
     spec makes most fields nullable: `"n": null` is n's default)."""
 
@@ -207,7 +207,7 @@ FunctionName = Annotated[str, Field(min_length=1, max_length=128, pattern=f"^{FU
 # Tools
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     """tools[].function: a function the model may call, its arguments described by a JSON schema."""
 
     name: FunctionName
@@ -216,14 +216,14 @@ class FunctionDefinition(_Body):
     strict: bool | None = None  # calls follow `parameters` by construction when they are forced
 
 
-class Tool(_Body):
+class Tool(Body):
     """One entry of `tools`: {"type": "function", "function": {...}}."""
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     """A replayed call's function: its name and arguments (OpenAI sends JSON text; an object is taken too).
     Arguments that are a JSON object become that object, so the chat template writes them in the model's
     call syntax; other text stays as it is."""
@@ -246,7 +246,7 @@ class FunctionCall(_Body):
         return parsed if isinstance(parsed, dict) else value
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     """An assistant message's tool_calls[] entry, as an OpenAI response carries it back."""
 
     id: Text | None = Field(default=None, max_length=256)
@@ -278,7 +278,7 @@ def _image_part(i: int, part: dict) -> None:
         raise ValueError(f"part {i}: detail must be 'auto' (set the image's soft tokens with max_soft_tokens)")
 
 
-class Message(_Body):
+class Message(Body):
     """One chat message; `content` is a string or a list of parts: text (any role), and images as data:
     URLs (user messages). Parts of the other roles reach the template as their text (dgemma.checkpoints.tokenizer)."""
 
@@ -328,7 +328,7 @@ class Message(_Body):
         return [(j, p["image_url"]["url"]) for j, p in enumerate(parts) if p.get("type") == "image_url"]
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
@@ -337,7 +337,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None  # answers follow the schema by construction either way
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -350,22 +350,22 @@ class ResponseFormat(_Body):
         return self
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: Text = Field(min_length=1, max_length=256)
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
 
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class DiffusionSettings(_Body):
+class DiffusionSettings(Body):
     """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
 
     model: Text | None = Field(default=None, max_length=256)
@@ -473,26 +473,6 @@ class DiffusionSettings(_Body):
         return SamplingParams(max_new_tokens=max_tokens, seed=seed, **fields)
 
 
-# the settings another dialect takes under its `dgemma` key (the chat body's fields of the same names)
-EXTENSIONS = frozenset(
-    {"max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"}
-    | {"sampler", "confidence", "tokens_per_step", "mode", "early_commit", "early_commit_steps"}
-    | {"early_commit_entropy", "greedy", "seed", "retries", "ignore_eos", "max_soft_tokens"}
-)
-
-
-def extensions(value: dict | None) -> dict:
-    """A dialect's `dgemma` object: settings the chat body takes under the same names (checked there)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ApiError(400, "dgemma: must be an object of dgemma's settings", "dgemma")
-    for key in value:
-        if key not in EXTENSIONS:
-            raise ApiError(400, f"dgemma.{key}: not a dgemma setting (see docs/server.md)", f"dgemma.{key}")
-    return dict(value)
-
-
 # the fields that apply with `choices`
 _WITH_CHOICES = frozenset(
     {"model", "choices", "messages", "prompt", "user", "stream", "stream_options", "echo", "max_tokens"}
@@ -598,7 +578,7 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class CanvasScoreRequest(_Body):
+class CanvasScoreRequest(Body):
     """POST /v1/canvas/score: a read-only denoising pass over a given canvas (the Score task)."""
 
     model: Text | None = Field(default=None, max_length=256)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from ..checkpoints.tokenizer import chat_prompt
 from ..generation.choose import Auto, Call, Choose
@@ -32,13 +31,11 @@ from . import answers, media
 from . import logprobs as logprob_blocks
 from .output import StreamText
 from .protocol import (
-    EXTENSIONS,
     ApiError,
     CanvasScoreRequest,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
-    validation_error,
 )
 from .runs import Choice, Piece, Served, as_api_error, run
 
@@ -189,58 +186,6 @@ async def outcome(engine: Engine, program: Program, timeout: float | None = None
                 return event.result
     finally:
         request.cancel()
-
-
-# ------------------------------------------------------------------------------------------------
-# The other dialects (dgemma/server/dialects/): a body mapped onto a chat or completions body, started as one
-
-
-class Renames:
-    """A dialect's names for the fields of the chat or completions body it was mapped onto: `names` maps a
-    dotted path (`*` for any index) to the dialect's, `messages[i]` is where chat message i came from
-    (`input.3`), and an extension setting is named under the dialect's `dgemma` key."""
-
-    def __init__(self, names: dict[str, str], messages: list[str] | None = None):
-        self.names, self.messages = names, messages or []
-
-    def __call__(self, param: str) -> str:
-        parts = param.split(".")
-        if parts[0] == "messages" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < len(self.messages):
-            return ".".join([self.messages[int(parts[1])], *parts[2:]])
-        for length in range(len(parts), 0, -1):
-            head, indices = parts[:length], [p for p in parts[:length] if p.isdigit()]
-            pattern = ".".join("*" if p.isdigit() else p for p in head)
-            if pattern in self.names:
-                named = self.names[pattern]
-                for i in indices[len(indices) - named.count("*") :]:  # a name with fewer indices keeps the last
-                    named = named.replace("*", i, 1)
-                return ".".join([named, *parts[length:]])
-        return f"dgemma.{param}" if parts[0] in EXTENSIONS else param
-
-
-def mapped(kind: type, fields: dict, rename: Renames):
-    """The chat or completions body (`kind`) `fields` make; what is wrong is a 400 in the dialect's names."""
-    try:
-        return kind.model_validate(fields)
-    except ValidationError as e:
-        raise validation_error(e.errors()).renamed(rename) from None
-
-
-async def start_mapped(served: Served, kind: type, fields: dict, http: Request, rename: Renames) -> Started:
-    """A dialect's request as the chat (`kind` ChatCompletionRequest) or completions body `fields` make,
-    started as that route starts it; every error names the dialect's field (`rename`)."""
-    body = mapped(kind, fields, rename)
-    try:
-        started = await (start_chat if kind is ChatCompletionRequest else start_completion)(served, body, http)
-    except ApiError as e:
-        raise e.renamed(rename) from None
-    return dataclasses.replace(started, pieces=_renamed(started.pieces, rename))
-
-
-async def _renamed(pieces: AsyncIterator[Piece], rename: Renames) -> AsyncIterator[Piece]:
-    """Pieces whose errors (a JSON answer that never validated, say) name the dialect's fields."""
-    async for piece in pieces:
-        yield dataclasses.replace(piece, error=piece.error.renamed(rename)) if piece.error is not None else piece
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """llama.cpp server's `POST /infill` and `POST /completion` (what llama.vscode and llama.vim send on every
-keystroke), each mapped onto a /v1/completions body and started as that route starts it (routes.start_mapped):
+keystroke), each mapped onto a /v1/completions body and started as that route starts it (dialects.start_mapped):
 every rule, limit and default is the completions body's and its task's.
 
 /infill: the `input_extra` chunks' texts (each followed by a newline, in order; a chunk's `filename` is not
@@ -12,7 +12,7 @@ the middle: what comes after `prompt`.
 /completion: `prompt` (one string or one list of token ids), `n_predict` (-1 or absent: not given) as
 max_tokens: the Generate task.
 Both: `temperature`, `seed` (-1: a random one, as in llama.cpp), `stop`, `stream`, `model`, and dgemma's
-settings under `dgemma` (protocol.EXTENSIONS). `n_predict: 0` (llama.vscode's cache-warming call) is
+settings under `dgemma` (dialects.EXTENSIONS). `n_predict: 0` (llama.vscode's cache-warming call) is
 answered at once, with empty content and the prompt's token count, and runs nothing: dgemma keeps no prompt
 cache yet, so there is nothing to warm.
 
@@ -39,18 +39,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator
 
 from ..answers import gather, sse
-from ..protocol import ApiError, CompletionRequest, Text, _Body, extensions
-from ..routes import (
-    Renames,
-    Started,
-    check_body,
-    checked,
-    completion_prompts,
-    completion_tasks,
-    mapped,
-    start_mapped,
-)
+from ..protocol import ApiError, Body, CompletionRequest, Text
+from ..routes import Started, check_body, checked, completion_prompts, completion_tasks
 from ..runs import Choice, Served
+from . import Renames, extensions, mapped, start_mapped
 
 MAX_EXTRA = 256  # input_extra chunks (llama.vscode keeps 16 by default)
 NOT_APPLIED = ("top_k", "top_p", "samplers", "cache_prompt", "n_indent", "t_max_prompt_ms", "t_max_predict_ms")
@@ -64,7 +56,7 @@ _REFUSED = {  # field -> (its no-op values, why another value is refused)
 Millis = Annotated[int, Field(ge=-1, le=2**31)]
 
 
-class ExtraChunk(_Body):
+class ExtraChunk(Body):
     """input_extra[]: another file's chunk, context before the prefix."""
 
     text: Text
@@ -72,7 +64,7 @@ class ExtraChunk(_Body):
     time: int | None = Field(default=None, ge=0, le=2**53)  # when llama.vscode picked it: no effect
 
 
-class LlamaSettings(_Body):
+class LlamaSettings(Body):
     """What /infill and /completion share."""
 
     model: Text | None = Field(default=None, max_length=256)
@@ -164,8 +156,6 @@ async def _serve(served: Served, body: LlamaSettings, fields: dict, http: Reques
     if body.stream:
         return StreamingResponse(_stream(served, body, started, clock, http.url.path), media_type="text/event-stream")
     texts, reasons, _ = await gather(started.pieces)
-    if not reasons:
-        raise ApiError(499, "the client closed the request")
     text = texts.get(0, {}).get("content", "")
     return _answer(served, body, started.choices[0], text, started.prompt_tokens, reasons[0], clock)
 

@@ -1,20 +1,14 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, as the `anthropic` SDK,
-langchain-anthropic and agents built on them send it (docs.anthropic.com/en/api/messages).
+langchain-anthropic and agents built on them send it, mapped onto a chat body (dialects.start_mapped; the
+table in docs/server.md). `system` is a system message; text, image (base64), tool_use and tool_result blocks
+chat messages (tool results tool messages, tool uses an assistant's tool_calls, a thinking block its
+reasoning); `tools` chat's function tools; `tool_choice` auto / any (a required call) / tool (a named one) /
+none; `output_config.format` a json_schema response_format; `thinking` reasoning; `max_tokens` (required),
+`stop_sequences`, `temperature`, `top_p` (1 only, as in chat), `stream`; dgemma's settings under `dgemma`.
 
-A body maps onto a chat body (routes.start_mapped): `system` a system message; `messages` with text,
-image (base64), tool_use and tool_result blocks chat messages (tool results become tool messages, tool
-uses an assistant's tool_calls, a replayed thinking block its reasoning); `tools` (`input_schema`) chat's
-function tools; `tool_choice` auto / any (a required call) / tool (a named one) / none, and
-`disable_parallel_tool_use` one call; `output_config.format` a json_schema response_format (valid by
-construction); `thinking` enabled or adaptive turns reasoning on; `max_tokens` (required), `stop_sequences`,
-`temperature`, `top_p` (1 only, as in chat), `stream`; dgemma's settings under `dgemma`. The answer's
-`stop_reason` is end_turn, max_tokens, stop_sequence or tool_use; `usage` counts input and output tokens
-(cache counts are 0: dgemma keeps no prompt cache).
-
-Accepted without effect: `metadata`, `service_tier`, `cache_control` (on blocks, tools and the body: no
-prompt cache yet), `anthropic-version` and beta headers. Refused by name: `top_k`, image URLs (the server
-fetches nothing), document and server-tool blocks, server tools, `output_config.effort`, `container`,
-`mcp_servers`, and anything else this module does not list (unknown fields).
+Accepted without effect: `metadata`, `service_tier`, `cache_control` (no prompt cache yet: usage's cache
+counts are 0). Refused by name: `top_k`, image URLs (the server fetches nothing), document and server-tool
+blocks, server tools, `output_config.effort`, and every field this module does not list.
 """
 
 from __future__ import annotations
@@ -27,73 +21,60 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from ...generation.sampling import SETTINGS
+from .. import protocol
 from ..answers import gather
 from ..output import new_id
-from ..protocol import (
-    MAX_DESCRIPTION_CHARS,
-    MAX_MESSAGES,
-    MAX_STOP,
-    MAX_TOOLS,
-    ApiError,
-    ChatCompletionRequest,
-    FunctionName,
-    Schema,
-    Text,
-    _Body,
-    extensions,
-)
-from ..routes import Renames, conversation, mapped, start_mapped
+from ..protocol import ApiError, Body, ChatCompletionRequest, Schema, Text
+from ..routes import conversation
 from ..runs import Served
+from . import Renames, extensions, mapped, start_mapped
 
 Id = Annotated[str, Field(max_length=256)]
 
 
-class Cache(_Body):
+class Cache(Body):
     """A cache breakpoint: accepted, without effect (dgemma keeps no prompt cache yet)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-CacheControl = Cache | None
+class _Block(Body):
+    cache_control: Cache | None = None
 
 
-class TextBlock(_Body):
+class TextBlock(_Block):
     type: Literal["text"]
     text: Text
-    cache_control: CacheControl = None
     citations: list[None] | None = Field(default=None, max_length=0)
 
 
-class ImageSource(_Body):
+class ImageSource(Body):
     type: Literal["base64"]  # a URL source is refused: the server fetches nothing
     media_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp"]
     data: Annotated[str, Field(min_length=1)]
 
 
-class ImageBlock(_Body):
+class ImageBlock(_Block):
     type: Literal["image"]
     source: ImageSource
-    cache_control: CacheControl = None
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: Id
-    name: FunctionName
+    name: protocol.FunctionName
     input: Schema
-    cache_control: CacheControl = None
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Id
     content: Text | list[TextBlock] = ""
     is_error: bool = False
-    cache_control: CacheControl = None
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(Body):
     type: Literal["thinking"]
     thinking: Text
     signature: Text = ""
@@ -102,57 +83,58 @@ class ThinkingBlock(_Body):
 Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class MessageParam(_Body):
+class MessageParam(Body):
     role: Literal["user", "assistant"]
-    content: Text | list[Block]
+    content: Text | Annotated[list[Block], Field(max_length=protocol.MAX_MESSAGES)]
 
 
-class ToolParam(_Body):
-    name: FunctionName
-    description: Text | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+class ToolParam(_Block):
+    name: protocol.FunctionName
+    description: Text | None = Field(default=None, max_length=protocol.MAX_DESCRIPTION_CHARS)
     input_schema: Schema
     type: Literal["custom"] | None = None
     strict: bool | None = None  # a required call follows input_schema by construction either way
-    cache_control: CacheControl = None
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
-    name: FunctionName | None = None
+    name: protocol.FunctionName | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class OutputFormat(_Body):
+class OutputFormat(Body):
     type: Literal["json_schema"]
     schema_: Schema = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(Body):
     format: OutputFormat | None = None
 
 
-class Thinking(_Body):
+class Thinking(Body):
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(default=None, ge=0, le=1 << 20)  # the answer's max_tokens bounds it
     display: Literal["summarized", "omitted"] | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(Body):
     """POST /v1/messages/count_tokens: the prompt a Messages body would have, counted."""
 
     model: Text | None = Field(default=None, max_length=256)
-    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: Text | list[TextBlock] | None = None
-    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    messages: list[MessageParam] = Field(min_length=1, max_length=protocol.MAX_MESSAGES)
+    system: Text | Annotated[list[TextBlock], Field(max_length=protocol.MAX_MESSAGES)] | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=protocol.MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    cache_control: CacheControl = None
+    cache_control: Cache | None = None
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=SETTINGS["max_new_tokens"]["high"])  # required, as Anthropic's API has it
-    stop_sequences: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_STOP)
+    stop_sequences: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        default=None, max_length=protocol.MAX_STOP
+    )
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = None  # chat's top_p: 1 only
     stream: bool = False
@@ -216,15 +198,9 @@ def chat_fields(body: CountTokensRequest) -> tuple[dict, Renames]:
     if body.output_config is not None and body.output_config.format is not None:
         schema = body.output_config.format.schema_
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-    names = {
-        "tools.*.function.parameters": "tools.*.input_schema",
-        "tools.*.function.name": "tools.*.name",
-        "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
-        "response_format": "output_config.format",
-        "reasoning": "thinking",
-        "max_completion_tokens": "max_tokens",
-        "stop": "stop_sequences",
-    }
+    names = {"tools.*.function.parameters": "tools.*.input_schema", "tools.*.function.name": "tools.*.name"}
+    names |= {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "response_format": "output_config.format"}
+    names |= {"reasoning": "thinking", "max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
     return fields, Renames(names, origins)
 
 
@@ -261,25 +237,19 @@ class _Reply:
 
     def stop(self, reason: str) -> dict:
         """stop_reason and stop_sequence for a chat finish reason."""
-        if reason == "tool_calls":
-            return {"stop_reason": "tool_use", "stop_sequence": None}
-        if reason == "length":
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
-        hit = self.choice.stop_string(self.served.decode)
-        return {"stop_reason": "stop_sequence" if hit else "end_turn", "stop_sequence": hit}
+        hit = self.choice.stop_string(self.served.decode) if reason == "stop" else None
+        stopped = "stop_sequence" if hit else "end_turn"
+        return {
+            "stop_reason": {"tool_calls": "tool_use", "length": "max_tokens"}.get(reason, stopped),
+            "stop_sequence": hit,
+        }
 
     def usage(self) -> dict:
-        return {
-            "input_tokens": self.started.prompt_tokens,
-            "output_tokens": self.choice.returned_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        }
+        counts = {"input_tokens": self.started.prompt_tokens, "output_tokens": self.choice.returned_tokens}
+        return counts | {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # no prompt cache yet
 
     async def whole(self) -> dict:
         texts, reasons, calls = await gather(self.started.pieces)
-        if not reasons:
-            raise ApiError(499, "the client closed the request")
         parts = texts.get(0, {})
         content = [{**_THINKING, "thinking": parts["reasoning"]}] if "reasoning" in parts else []
         content += [{"type": "text", "text": parts["content"]}] if parts.get("content") else []
@@ -288,48 +258,42 @@ class _Reply:
 
     async def events(self):
         start = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None}
-        yield _event("message_start", {"message": {**start, "usage": {**self.usage(), "output_tokens": 0}}})
-        index, open_kind = -1, None
+        yield _event("message_start", message={**start, "usage": {**self.usage(), "output_tokens": 0}})
+        index, kind = -1, None  # the open block's index and kind
         async for piece in self.started.pieces:
-            if piece.kind in ("content", "reasoning") and piece.text:
-                if open_kind != piece.kind:
-                    if open_kind is not None:
-                        yield _event("content_block_stop", {"index": index})
-                    index, open_kind = index + 1, piece.kind
-                    block = {"type": "text", "text": ""} if piece.kind == "content" else _THINKING
-                    yield _event("content_block_start", {"index": index, "content_block": block})
-                yield _event("content_block_delta", {"index": index, "delta": _delta(piece)})
-            elif piece.kind in ("calls", "end") and open_kind is not None:
-                yield _event("content_block_stop", {"index": index})
-                open_kind = None
-            if piece.kind == "calls":
-                for name, arguments in piece.calls:
-                    index += 1
-                    yield _event("content_block_start", {"index": index, "content_block": {**_tool_use(name, {})}})
-                    delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments)}
-                    yield _event("content_block_delta", {"index": index, "delta": delta})
-                    yield _event("content_block_stop", {"index": index})
-            elif piece.kind == "end" and piece.error is not None:
-                yield _event("error", piece.error.body("/v1/messages"))
-                return
+            if kind is not None and piece.kind not in (kind, "draft"):
+                yield _event("content_block_stop", index=index)
+                kind = None
+            if piece.kind in _BLOCKS and piece.text:
+                block, delta, field = _BLOCKS[piece.kind]
+                if kind is None:
+                    index, kind = index + 1, piece.kind
+                    yield _event("content_block_start", index=index, content_block=block)
+                yield _event("content_block_delta", index=index, delta={"type": delta, field: piece.text})
+            for name, arguments in piece.calls or []:
+                index += 1
+                yield _event("content_block_start", index=index, content_block=_tool_use(name, {}))
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments)}
+                yield _event("content_block_delta", index=index, delta=delta)
+                yield _event("content_block_stop", index=index)
+            if piece.kind == "end" and piece.error is not None:
+                yield _event("error", **piece.error.body("/v1/messages"))
             elif piece.kind == "end":
                 usage = {"output_tokens": self.choice.returned_tokens}
-                yield _event("message_delta", {"delta": self.stop(piece.finish_reason), "usage": usage})
-                yield _event("message_stop", {})
+                yield _event("message_delta", delta=self.stop(piece.finish_reason), usage=usage)
+                yield _event("message_stop")
 
 
 _THINKING = {"type": "thinking", "thinking": "", "signature": ""}
-
-
-def _delta(piece) -> dict:
-    if piece.kind == "content":
-        return {"type": "text_delta", "text": piece.text}
-    return {"type": "thinking_delta", "thinking": piece.text}
+_BLOCKS = {
+    "content": ({"type": "text", "text": ""}, "text_delta", "text"),
+    "reasoning": (_THINKING, "thinking_delta", "thinking"),
+}
 
 
 def _tool_use(name: str, arguments: dict) -> dict:
     return {"type": "tool_use", "id": new_id("toolu").replace("-", "_"), "name": name, "input": arguments}
 
 
-def _event(kind: str, data: dict) -> str:
+def _event(kind: str, **data) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"

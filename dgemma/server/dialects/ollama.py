@@ -1,5 +1,5 @@
 """The Ollama API (Open WebUI, Continue, Twinny, langchain-ollama, the `ollama` package), each body mapped onto a
-chat or completions body (routes.start_mapped), so every rule, limit and default is the task's (docs/server.md has
+chat or completions body (dialects.start_mapped), so every rule, limit and default is the task's (docs/server.md has
 the table). /api/chat: a chat body (base64 `images`, replayed `tool_calls`, `tools` as chat's "auto", `format` "json"
 or a schema, `think` as reasoning). /api/generate: with `suffix` (Infill) or `raw` a completions body, else a chat of
 `system` and `prompt`. An empty one is Ollama's "load" ping, answered at once; /api/tags, show, ps and version
@@ -31,9 +31,10 @@ from ...quant.modules import QuantExperts, QuantLinear
 from .. import protocol
 from ..answers import gather
 from ..output import new_id
-from ..protocol import ApiError, Text, _Body
-from ..routes import SCHEMA, Renames, Started, check_model, start_mapped
+from ..protocol import ApiError, Body, Text
+from ..routes import SCHEMA, Started, check_model
 from ..runs import Served
+from . import EXTENSIONS, Renames, extensions, start_mapped
 
 _REFUSED = {  # generate's fields that are refused: the first two always, the others with raw or a suffix
     "template": "the checkpoint's own chat template applies (raw: true sends a prompt as it is)",
@@ -49,7 +50,7 @@ _NO_EFFECT = dict.fromkeys(("num_ctx", "num_keep", "num_batch", "num_gpu", "main
 _NO_EFFECT |= {"repeat_last_n": int, "draft_num_predict": int, "mirostat_tau": float, "mirostat_eta": float}
 _NO_EFFECT |= dict.fromkeys(("numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap", "use_mlock"), bool)
 _NO_EFFECT |= {"penalize_newline": bool, "embedding_only": bool}
-# the chat / completions fields in Ollama's names (routes.Renames)
+# the chat / completions fields in Ollama's names (dialects.Renames)
 _NAMES = {v: f"options.{k}" for k, v in _MAPPED.items()} | {"response_format": "format", SCHEMA: "format"}
 _NAMES |= {"reasoning": "think", "messages.*.name": "messages.*.tool_name", "messages.*.content": "messages.*.images"}
 _NAMES |= {"messages.*.reasoning_content": "messages.*.thinking", "messages.*.content.*": "messages.*.images.*"}
@@ -68,7 +69,7 @@ class _ToolCall(protocol.ToolCall):  # (langchain-ollama and Open WebUI send id,
     function: _Function
 
 
-class _Message(_Body):
+class _Message(Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
     images: list[str] | None = Field(default=None, max_length=protocol.MAX_IMAGES)  # base64
@@ -78,7 +79,7 @@ class _Message(_Body):
     thinking: Text | None = None
 
 
-class _Request(_Body):  # what /api/chat and /api/generate share
+class _Request(Body):  # what /api/chat and /api/generate share
     model: Text = Field(min_length=1, max_length=256)
     format: Literal["", "json"] | protocol.Schema | None = None
     options: dict[str, Any] | None = None
@@ -86,7 +87,7 @@ class _Request(_Body):  # what /api/chat and /api/generate share
     keep_alive: _Duration | float | None = None  # accepted: the model stays loaded
     think: bool | None = None
     num_predict: int | None = None  # options.num_predict where Open WebUI puts it for its own tasks (titles)
-    dgemma: dict[str, Any] | None = None  # dgemma's diffusion settings (protocol.EXTENSIONS)
+    dgemma: dict[str, Any] | None = None  # dgemma's diffusion settings (dialects.EXTENSIONS)
 
 
 class OllamaChatRequest(_Request):
@@ -104,7 +105,7 @@ class OllamaGenerateRequest(_Request):
     context: Any = None
 
 
-class OllamaShowRequest(_Body):
+class OllamaShowRequest(Body):
     model: Text | None = Field(default=None, max_length=256)
     name: Text | None = Field(default=None, max_length=256)  # Ollama's older name for `model` (Continue's)
     verbose: bool = False
@@ -138,13 +139,13 @@ def _chat_messages(messages: list[_Message]) -> list[dict]:
 
 def _mapped(body: _Request, model: str) -> tuple[type, dict, Renames]:
     """The chat or completions body a request maps onto (generate's: with raw or a suffix completions, else a chat
-    of its system and one user message), and the body's fields in Ollama's names (routes.Renames)."""
+    of its system and one user message), and the body's fields in Ollama's names (dialects.Renames)."""
     fields, names = {"model": model, "stream": body.stream}, dict(_NAMES)
     for key, value in ({"num_predict": body.num_predict} | (body.options or {})).items():
         if value is None or value in _UNSET.get(key, ()):  # null: not given, as Ollama reads it
             continue
         kind, problem = _NO_EFFECT.get(key) or type(_OFF.get(key)), None
-        if key in _MAPPED or key in protocol.EXTENSIONS:  # (Ollama's clients pass options on as they are)
+        if key in _MAPPED or key in EXTENSIONS:  # (Ollama's clients pass options on as they are)
             fields[_MAPPED.get(key, key)] = value  # (a dgemma setting: named options.<key> unless `dgemma` has it)
             names |= {} if key in _MAPPED or key in (body.dgemma or {}) else {key: f"options.{key}"}
         elif key not in _NO_EFFECT and key not in _OFF:
@@ -160,7 +161,7 @@ def _mapped(body: _Request, model: str) -> tuple[type, dict, Renames]:
     if body.format not in ("", None):  # "json" or a schema
         schema = {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
         fields["response_format"] = {"type": "json_object"} if body.format == "json" else schema
-    fields |= ({"reasoning": True} if body.think else {}) | protocol.extensions(body.dgemma)
+    fields |= ({"reasoning": True} if body.think else {}) | extensions(body.dgemma)
     if isinstance(body, OllamaChatRequest):
         fields |= {"messages": _chat_messages(body.messages), "tools": body.tools}
         return protocol.ChatCompletionRequest, fields, Renames(names)
@@ -230,8 +231,6 @@ async def _answer(served: Served, body: _Request, model: str, http: Request) -> 
     if body.stream:
         return StreamingResponse(_lines(run), media_type="application/x-ndjson")
     texts, reasons, calls = await gather(started.pieces)  # (errors as it ran named in Ollama's names)
-    if not reasons:
-        raise ApiError(499, "the client closed the request")
     return run.last(reasons[0], **texts.get(0, {}), calls=calls.get(0))
 
 
