@@ -5,6 +5,7 @@ tests/hostile.py's DIALECTS, replayed by test_server_fuzz.py."""
 
 from __future__ import annotations
 
+import httpx
 import jsonschema
 import pytest
 
@@ -118,6 +119,29 @@ def test_count_tokens_is_the_prompt_a_create_would_have(client):
         model="tiny", max_tokens=4, messages=_user("hello there"), system="Be brief.", extra_body=FAST
     )
     assert counted.input_tokens == m.usage.input_tokens > 0
+
+
+def test_an_image_block_is_chats_image_part(vision_server):
+    """A base64 image block is the chat image_url part: the same tokens as chat gives, and count_tokens counts
+    the image's soft tokens."""
+    import base64
+
+    from test_server_images import _png, _url
+
+    url, settings = _url(_png(64, 48, 1)), {"seed": 3, "max_denoising_steps": 3}
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this?"}]
+    chat = {"messages": [{"role": "user", "content": parts}], "max_tokens": 6, **settings}
+    headers = {"x-api-key": KEY}
+    expected = httpx.post(vision_server.url + "/v1/chat/completions", json=chat, headers=headers, timeout=120).json()
+    data = base64.b64encode(_png(64, 48, 1)).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "what is this?"}]}]}
+    answer = httpx.post(
+        vision_server.url + "/v1/messages", json={**body, "max_tokens": 6, "dgemma": settings}, headers=headers
+    ).json()
+    assert answer["content"][0]["text"] == expected["choices"][0]["message"]["content"]
+    counted = httpx.post(vision_server.url + "/v1/messages/count_tokens", json=body, headers=headers).json()
+    assert counted["input_tokens"] == answer["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"]
 
 
 def test_langchain_anthropic_chat_model(server):

@@ -321,21 +321,20 @@ def test_a_client_that_left_costs_no_compile():
 
 
 def test_parallel_tool_calls_false_streams_one_call():
-    class Piece:
-        def __init__(self, kind, text="", finish_reason=None):
-            self.kind, self.text, self.finish_reason, self.index, self.error = kind, text, finish_reason, 0, None
+    from dgemma.server.runs import Piece
 
     class Choice:
         index, details = 0, None
 
     async def pieces():
-        yield Piece("content", "<|tool_call>call:f{a:1}<tool_call|><|tool_call>call:g{b:2}<tool_call|>")
-        yield Piece("end", finish_reason="stop")
+        yield Piece(0, "content", "<|tool_call>call:f{a:1}<tool_call|><|tool_call>call:g{b:2}<tool_call|>")
+        yield Piece(0, "end", finish_reason="stop")
 
     chunks = answers.Chunks(type("S", (), {"name": "m"})(), chat=True)
 
-    async def sent(most):
-        return [x async for x in answers.event_stream(chunks, pieces(), [Choice()], [], 1, False, True, most)]
+    async def sent(most):  # the calls read out of the pieces (answers.with_calls), then the stream
+        calls = answers.with_calls(pieces(), most)
+        return [x async for x in answers.event_stream(chunks, calls, [Choice()], [], 1, False)]
 
     for most, calls in ((1, ["f"]), (None, ["f", "g"])):
         deltas = [json.loads(x[6:]) for x in asyncio.run(sent(most)) if '"tool_calls"' in x]

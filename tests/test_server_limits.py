@@ -184,7 +184,8 @@ def test_metrics_survive_crafted_paths(server):
     families = {f.name: f for f in text_string_to_metric_families(text)}  # raises if the page does not parse
     routes = {s.labels["route"] for s in families["dgemma_http_requests"].samples}
     known = {"/", "/health", "/metrics", "/docs", "/openapi.json", "/v1/models", CHAT, "/v1/completions"}
-    known |= {"/v1/canvas/score"}
+    known |= {"/v1/canvas/score", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/infill"}
+    known |= {"/completion", *(f"/api/{name}" for name in ("chat", "generate", "show", "tags", "ps", "version"))}
     assert routes <= known | {"other"}
     assert "other" in routes and len(text) < 20_000
 

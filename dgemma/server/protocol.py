@@ -424,7 +424,7 @@ class DiffusionSettings(Body):
         allowed = _NO_OP_VALUES[info.field_name]
         if value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
             return value
-        shown = " or ".join(repr(a) for a in allowed) if allowed else "null"
+        shown = " or ".join(json.dumps(a) for a in allowed) if allowed else "null"
         raise ValueError(f"is not supported by this server (a diffusion model): send {shown}, or leave it out")
 
     def conflict(self) -> tuple[str, str] | None:
