@@ -219,7 +219,7 @@ def test_an_error_mid_stream_is_a_line():
     async def read(run):
         return [json.loads(line) async for line in _lines(run)]
 
-    first, last = asyncio.run(read(_Run("tiny", True, 0, Started([], pieces(), 3, False, None))))
+    first, last = asyncio.run(read(_Run("tiny", True, 0, Started([], pieces(), 3, [], []))))
     assert first["message"] == {"role": "assistant", "content": "{"} and first["done"] is False
     assert last == {"error": "format: no valid JSON answer"}
 

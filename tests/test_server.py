@@ -200,12 +200,14 @@ def test_full_queue_answers_429_and_disconnect_cancels(model_dir):
 
 
 def test_reasoning_and_tool_call_parsing():
-    from dgemma.server.output import StreamText, extract_tool_calls, split_reasoning
+    from dgemma.server.output import StreamText, openai_call, split_reasoning
+    from dgemma.tool_calls import parse_tool_calls
 
     thought, answer = split_reasoning("<|channel>thought\nlet me think<channel|>The answer is 4.")
     assert (thought, answer) == ("let me think", "The answer is 4.")
     assert split_reasoning("plain") == (None, "plain")
-    calls, rest = extract_tool_calls('Sure. <|tool_call>call:get_weather{location:<|"|>Paris<|"|>}<tool_call|>')
+    found, rest = parse_tool_calls('Sure. <|tool_call>call:get_weather{location:<|"|>Paris<|"|>}<tool_call|>')
+    calls = [openai_call(name, arguments) for name, arguments in found]
     assert rest == "Sure." and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"location": "Paris"}
     s = StreamText(["STOP"], reasoning=True)

@@ -7,7 +7,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..tool_calls import CALL_OPEN, parse_tool_calls
+from ..tool_calls import CALL_OPEN
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought\n", "<channel|>"
 
@@ -27,13 +27,6 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         return text[start + len(THOUGHT_OPEN) :], text[:start]
     thought = text[start + len(THOUGHT_OPEN) : end]
     return thought, text[:start] + text[end + len(THOUGHT_CLOSE) :]
-
-
-def extract_tool_calls(text: str) -> tuple[list[dict], str]:
-    """Gemma 4 tool calls `<|tool_call>call:NAME{ARGS}<tool_call|>` -> OpenAI tool_calls, and the rest.
-    When a call does not parse, there are none: the answer is its text (dgemma.tool_calls)."""
-    calls, rest = parse_tool_calls(text)
-    return [openai_call(name, arguments) for name, arguments in calls], rest
 
 
 def openai_call(name: str, arguments: dict) -> dict:

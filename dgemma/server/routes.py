@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -30,13 +30,7 @@ from ..images import DEFAULT_BUDGET
 from . import answers, media
 from . import logprobs as logprob_blocks
 from .output import StreamText
-from .protocol import (
-    ApiError,
-    CanvasScoreRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    NamedToolChoice,
-)
+from .protocol import ApiError, CanvasScoreRequest, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .runs import Choice, Piece, Served, as_api_error, run
 
 SCHEMA = "response_format.json_schema.schema"  # where a schema that cannot be laid out is named
@@ -229,16 +223,13 @@ def check_body(served: Served, body) -> None:
 @dataclass
 class Started:
     """A request on the engine: its choices, their pieces as they come (tool calls read out when tools are
-    offered: answers.with_calls), the prompt tokens its usage counts, the most calls an answer sends, and
-    its prompts and checked tasks."""
+    offered: answers.with_calls), the prompt tokens its usage counts, and its prompts and checked tasks."""
 
     choices: list[Choice]
     pieces: AsyncIterator[Piece]
     prompt_tokens: int
-    tools: bool
-    most_calls: int | None
-    prompts: list[list[int]] = field(default_factory=list)
-    tasks: list[Task] = field(default_factory=list)
+    prompts: list[list[int]]
+    tasks: list[Task]
 
 
 async def start_chat(served: Served, body: ChatCompletionRequest, http: Request) -> Started:
@@ -250,10 +241,9 @@ async def start_chat(served: Served, body: ChatCompletionRequest, http: Request)
     task = await checked(served, chat_task(body, prompt, pixels, tools, tok), http, names)
     want_drafts = body.include_drafts and body.stream
     choices = submit(served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts)
-    most = answers.call_limit(body)
     pieces = run(choices, tok, http.is_disconnected)
-    pieces = answers.with_calls(pieces, most) if tools else pieces
-    return Started(choices, pieces, len(prompt), bool(tools), most, [prompt], [task])
+    pieces = answers.with_calls(pieces, answers.call_limit(body)) if tools else pieces
+    return Started(choices, pieces, len(prompt), [prompt], [task])
 
 
 async def conversation(served: Served, body: ChatCompletionRequest) -> tuple[list[int], object, list | None]:
@@ -340,7 +330,7 @@ async def start_completion(served: Served, body: CompletionRequest, http: Reques
     want_drafts = body.include_drafts and body.stream
     choices = submit(served, tasks, body.n, stops=body.stop, want_drafts=want_drafts)
     pieces = run(choices, served.tokenizer, http.is_disconnected)
-    return Started(choices, pieces, sum(len(p) for p in prompts) * body.n, False, None, prompts, tasks)
+    return Started(choices, pieces, sum(len(p) for p in prompts) * body.n, prompts, tasks)
 
 
 async def _completions(served: Served, body: CompletionRequest, http: Request):
