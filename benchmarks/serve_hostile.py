@@ -1,6 +1,6 @@
 """Hostile load on `dgemma serve`, one burst at a time, each on a fresh server:
 
-- hostile: 32 concurrent clients replay every request that once broke the server (tests/hostile.py: a
+- hostile: 32 concurrent clients replay every request that once broke the server (tests/hostile.py, every dialect: a
   100 MB body, a million messages, unbounded settings, lone surrogates, deep nesting, invalid UTF-8,
   crafted metric paths, unsupported fields, ...) while streaming real completions, and some of them
   leave mid-stream. Counted from the client side: answers by status class (5xx must be 0), streams that
@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hostile import CRAFTED_PATH, HOSTILE, body_bytes, is_openai_error, replay
+from hostile import CRAFTED_PATH, DIALECTS, HOSTILE, body_bytes, dialect_error, replay
 from serve_load import Server, _toy_model_dir
 
 STREAM = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32, "stream": True}
@@ -66,7 +66,7 @@ async def _stream(client: httpx.AsyncClient, leave_early: bool) -> str:
 
 
 # encoded once, before the clock starts: json.dumps of a million messages would block the clients' own loop
-ENCODED = [(name, path, body_bytes(body)) for name, path, body, _ in HOSTILE]
+ENCODED = [(name, path, body_bytes(body)) for name, path, body, *_ in [*HOSTILE, *DIALECTS]]
 
 
 async def _client(i: int, url: str, rounds: int, statuses: Counter, streams: Counter, shapes: Counter) -> None:
@@ -83,7 +83,7 @@ async def _client(i: int, url: str, rounds: int, statuses: Counter, streams: Cou
                     statuses["closed"] += 1
                     continue
                 statuses[response.status_code // 100 * 100] += 1
-                shapes[is_openai_error(response)] += 1
+                shapes[dialect_error(response) is not None] += 1  # each in its route's dialect's shape
             await client.get(CRAFTED_PATH.replace('"', "%22").replace("\n", "%0A").replace(" ", "%20"))
             streams[await _stream(client, leave_early=(i + r) % 4 == 0)] += 1
 
@@ -202,10 +202,10 @@ def hostile_burst(args, tmp: Path) -> dict:
     metric_names = len(list(text_string_to_metric_families(metrics)))  # raises if the page does not parse
     s, st = result["statuses"], result["streams"]
     print(f"\nhostile: {args.model or 'tiny preset, random weights'}; {args.clients} clients x {args.rounds} rounds")
-    print(f"of {len(HOSTILE)} hostile requests + 1 crafted path + 1 stream (a quarter hang up mid-stream)\n")
+    print(f"of {len(ENCODED)} hostile requests + 1 crafted path + 1 stream (a quarter hang up mid-stream)\n")
     print(
-        "| answers 2xx / 4xx / 5xx / closed | OpenAI-shaped errors | streams done / left / other | worst /health (s) |"
-        " server peak RSS before -> after (MB) | /metrics |"
+        "| answers 2xx / 4xx / 5xx / closed | errors in their dialect's shape | streams done / left / other |"
+        " worst /health (s) | server peak RSS before -> after (MB) | /metrics |"
     )
     print("|---|---:|---|---:|---|---|")
     other = sum(v for k, v in st.items() if k not in ("done", "left"))
