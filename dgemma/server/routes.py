@@ -320,13 +320,18 @@ async def completion_tasks(served: Served, body: CompletionRequest, prompts: lis
     return [Generate([p], params, logprobs=body.logprobs) for p in prompts]
 
 
-async def start_completion(served: Served, body: CompletionRequest, http: Request) -> Started:
-    """A completions body checked, tokenized, mapped to one task per prompt, checked by the tasks and
-    submitted: /v1/completions, Ollama's generate and llama.cpp's /infill and /completion start here."""
+async def completion_checked(served: Served, body: CompletionRequest, http: Request | None):
+    """A completions body's prompts (tokenized) and its tasks, checked: all that comes before a pass."""
     check_body(served, body)
     prompts = await completion_prompts(served, body)
     names = {"schema": SCHEMA, "options": "choices", "middle_length": "max_tokens", "prefix": "prompt"}
-    tasks = [await checked(served, t, http, names) for t in await completion_tasks(served, body, prompts)]
+    return prompts, [await checked(served, t, http, names) for t in await completion_tasks(served, body, prompts)]
+
+
+async def start_completion(served: Served, body: CompletionRequest, http: Request) -> Started:
+    """A completions body checked, tokenized, mapped to one task per prompt, checked by the tasks and
+    submitted: /v1/completions, Ollama's generate and llama.cpp's /infill and /completion start here."""
+    prompts, tasks = await completion_checked(served, body, http)
     want_drafts = body.include_drafts and body.stream
     choices = submit(served, tasks, body.n, stops=body.stop, want_drafts=want_drafts)
     pieces = run(choices, served.tokenizer, http.is_disconnected)

@@ -40,7 +40,7 @@ from pydantic import Field, field_validator
 
 from ..answers import gather, sse
 from ..protocol import ApiError, Body, CompletionRequest, Text
-from ..routes import Started, check_body, checked, completion_prompts, completion_tasks
+from ..routes import Started, completion_checked
 from ..runs import Choice, Served
 from . import Renames, extensions, mapped, start_mapped
 
@@ -166,10 +166,7 @@ async def _warm(served: Served, fields: dict, rename: Renames) -> int:
     fields = {k: v for k, v in fields.items() if k != "max_tokens"}  # 0: nothing to generate
     body = mapped(CompletionRequest, fields, rename)
     try:
-        check_body(served, body)
-        prompts = await completion_prompts(served, body)
-        for task in await completion_tasks(served, body, prompts):
-            await checked(served, task, None, {"prefix": "prompt"})  # the task's own checks: ids, lengths
+        prompts, _ = await completion_checked(served, body, None)  # the body's and its task's checks
         return len(prompts[0])
     except ApiError as e:
         raise e.renamed(rename) from None
