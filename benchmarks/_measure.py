@@ -82,3 +82,20 @@ def keep_glibc_defaults() -> None:
     import dgemma.runtime.runner
 
     dgemma.runtime.runner.reuse_freed_memory = lambda: False
+
+
+def until_done(request, t0: float) -> tuple[float, float, object]:
+    """Read an engine request's events to its end: seconds from `t0` to its first final tokens (its end if
+    none came before), to its end, and its result."""
+    from dgemma.generation.engine import DoneEvent, TokensEvent
+
+    first = None
+    while True:
+        event = request.events.get(timeout=3600)
+        if isinstance(event, Exception):
+            raise event
+        if isinstance(event, TokensEvent) and first is None:
+            first = time.perf_counter() - t0
+        if isinstance(event, DoneEvent):
+            end = time.perf_counter() - t0
+            return (end if first is None else first), end, event.result

@@ -22,10 +22,18 @@ import statistics
 import time
 
 import torch
+from _measure import until_done
 
 from dgemma import accelerate
 from dgemma.bench import random_model
-from dgemma.generation.engine import DoneEvent, Engine, TokensEvent, generation_request
+from dgemma.generation.engine import Engine, EngineRequest
+from dgemma.generation.programs import Generate
+from dgemma.generation.sampling import SamplingParams
+
+
+def _program(runner, prompt: list[int], params: SamplingParams):
+    """The checked generation program of one request (what the server submits)."""
+    return Generate([prompt], params).check(runner.model).program(runner.model, runner.canvas_stats)
 
 
 def run_once(runner, prompts: list[list[int]], batch_encodes: bool, steps: int) -> dict:
@@ -35,21 +43,14 @@ def run_once(runner, prompts: list[list[int]], batch_encodes: bool, steps: int) 
         params = dict(max_new_tokens=runner.model.config.canvas_length, max_denoising_steps=steps, stop_token_ids=[])
         t0 = time.perf_counter()
         requests = [
-            engine.submit(generation_request(engine.runner, p, dict(params, seed=i))) for i, p in enumerate(prompts)
+            engine.submit(EngineRequest(_program(runner, p, SamplingParams(**params, seed=i))))
+            for i, p in enumerate(prompts)
         ]
         first, total = [], []
         for r in requests:
-            seen = None
-            while True:
-                event = r.events.get(timeout=3600)
-                if isinstance(event, Exception):
-                    raise event
-                if isinstance(event, TokensEvent) and seen is None:
-                    seen = time.perf_counter() - t0
-                if isinstance(event, DoneEvent):
-                    total.append(time.perf_counter() - t0)
-                    first.append(seen if seen is not None else total[-1])
-                    break
+            seen, end, _ = until_done(r, t0)
+            first.append(seen)
+            total.append(end)
         wall = time.perf_counter() - t0
     finally:
         engine.close()

@@ -445,3 +445,15 @@ def generate_steps(runner, prompt, **settings):
     given = {k: settings.pop(k) for k in ("pins", "allowed", "logprobs", "pixels") if k in settings}
     task = Generate(rows, SamplingParams(**settings), **given).check(runner.model)
     return task.steps(runner.model, runner.canvas_stats)
+
+
+def request_result(request, timeout: float = 120):
+    """The result of an engine request, read from its events (what it raised, raised here)."""
+    from dgemma.generation.engine import DoneEvent
+
+    while True:
+        event = request.events.get(timeout=timeout)
+        if isinstance(event, Exception):
+            raise event
+        if isinstance(event, DoneEvent):
+            return event.result

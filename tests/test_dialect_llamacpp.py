@@ -29,7 +29,8 @@ ANSWER_KEYS = {
     "content", "stop", "model", "tokens_predicted", "tokens_evaluated", "stop_type", "stopping_word",
     "truncated", "tokens_cached", "generation_settings", "timings",
 }  # fmt: skip
-TIMINGS = {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second"}
+TIMINGS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_second"}
+TIMINGS |= {"predicted_n", "predicted_ms", "predicted_per_second"}
 
 
 def _vscode_body(prefix: str, suffix: str, typed: str = "", n_predict: int = 16) -> dict:
@@ -64,10 +65,11 @@ def _submitted(server) -> float:
 
 def _check_answer(answer: dict, evaluated: int | None = None) -> None:
     assert set(answer) >= ANSWER_KEYS and set(answer["timings"]) == TIMINGS, answer
-    assert answer["stop"] is True and answer["truncated"] is False and answer["tokens_cached"] == 0
+    assert answer["stop"] is True and answer["truncated"] is False
+    assert answer["tokens_cached"] == answer["timings"]["cache_n"] <= answer["tokens_evaluated"]  # the prefix cache's
     assert isinstance(answer["content"], str) and answer["stop_type"] in ("eos", "limit", "word")
     assert isinstance(answer["tokens_predicted"], int) and answer["tokens_evaluated"] > 0
-    assert answer["timings"]["prompt_n"] == answer["tokens_evaluated"]
+    assert answer["timings"]["prompt_n"] + answer["tokens_cached"] == answer["tokens_evaluated"]
     assert answer["timings"]["predicted_n"] == answer["tokens_predicted"]
     assert all(isinstance(v, int | float) and v >= 0 for v in answer["timings"].values())
     if evaluated is not None:
@@ -85,8 +87,7 @@ def test_infill_as_llama_vscode_sends_it(server, model_dir):
     _check_answer(answer, len(tok.encode("".join(c["text"] + "\n" for c in CHUNKS) + PREFIX)))
     settings = answer["generation_settings"]
     assert settings["not_applied"] == [
-        "top_k", "top_p", "samplers", "cache_prompt", "n_indent", "t_max_prompt_ms", "t_max_predict_ms",
-        "input_extra.time",
+        "top_k", "top_p", "samplers", "n_indent", "t_max_prompt_ms", "t_max_predict_ms", "input_extra.time",
     ]  # fmt: skip
     assert settings["n_predict"] == 16 and settings["seed"] == 3 and settings["dgemma"] == FAST
     assert answer["model"] == "tiny" and 0 < answer["dgemma"]["middle_length"] <= 16  # at most 16
@@ -105,8 +106,9 @@ def test_infill_streamed_is_the_same_middle(server):
     assert last["dgemma"]["middle_length"] == whole["dgemma"]["middle_length"]
 
 
-def test_the_cache_warming_call_runs_nothing(server, model_dir):
-    """llama.vscode's updateExtraContext: n_predict 0, no samplers, empty prefix and suffix, the chunks."""
+def test_the_cache_warming_call_keeps_the_prompt(server, model_dir):
+    """llama.vscode's updateExtraContext: n_predict 0, no samplers, empty prefix and suffix, the chunks. It
+    runs the prompt's prefill only, into the prefix cache: the completion that follows loads the chunks."""
     body = {
         "input_prefix": "", "input_suffix": "", "input_extra": CHUNKS, "prompt": "", "n_predict": 0,
         "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1,
@@ -123,7 +125,12 @@ def test_the_cache_warming_call_runs_nothing(server, model_dir):
     assert len(streamed) == 1 and streamed[0]["stop"] is True and streamed[0]["content"] == ""
     empty = _post(server, "/completion", {"prompt": "", "n_predict": 0}).json()
     assert empty["tokens_evaluated"] == 1 and empty["content"] == ""  # the BOS token, as /v1/completions
-    assert _submitted(server) == before
+    assert _submitted(server) == before + 3  # three prefills, nothing denoised
+    chunks = len(tok.encode("".join(c["text"] + "\n" for c in CHUNKS)))
+    follow = _post(server, "/infill", _vscode_body(PREFIX, SUFFIX, n_predict=4)).json()
+    assert chunks >= 16 and follow["tokens_cached"] >= chunks // 16 * 16 - 16  # whole blocks, the last may differ
+    cold = _post(server, "/infill", {**_vscode_body(PREFIX, SUFFIX, n_predict=4), "cache_prompt": False}).json()
+    assert cold["tokens_cached"] == 0 and cold["content"] == follow["content"]
 
 
 @pytest.mark.parametrize("n_predict", [None, 6])

@@ -118,7 +118,7 @@ def test_count_tokens_is_the_prompt_a_create_would_have(client):
     m = client.messages.create(
         model="tiny", max_tokens=4, messages=_user("hello there"), system="Be brief.", extra_body=FAST
     )
-    assert counted.input_tokens == m.usage.input_tokens > 0
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0  # what the cache gave
 
 
 def test_an_image_block_is_chats_image_part(vision_server):
@@ -141,7 +141,8 @@ def test_an_image_block_is_chats_image_part(vision_server):
     ).json()
     assert answer["content"][0]["text"] == expected["choices"][0]["message"]["content"]
     counted = httpx.post(vision_server.url + "/v1/messages/count_tokens", json=body, headers=headers).json()
-    assert counted["input_tokens"] == answer["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"]
+    read = answer["usage"]["input_tokens"] + answer["usage"]["cache_read_input_tokens"]  # the chat's image: cached
+    assert counted["input_tokens"] == read == expected["usage"]["prompt_tokens"]
 
 
 def test_langchain_anthropic_chat_model(server):

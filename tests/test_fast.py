@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_quiet
+from helpers import fp32_logit_tolerance, fp32_tolerance, fp32_tolerances, load_quiet, request_result
 
 import dgemma
 import dgemma.runtime.fast as fast
 from dgemma import Runner, build, preset
-from dgemma.generation.engine import DoneEvent
 
 
 @pytest.fixture()
@@ -180,22 +179,13 @@ def test_a_graphed_engine_serves_every_batch_from_buckets(model):
             requests = [
                 engine.submit(generation_request(runner, p, dict(seed=i, **settings))) for i, p in enumerate(prompts)
             ]
-            results[graphs] = [_last(r) for r in requests]
+            results[graphs] = [request_result(r) for r in requests]
         finally:
             engine.close()
     assert all(len(t) == 16 for r in results[True] for t in r.tokens)
     assert runner.graphs.fallbacks == 0 and all(k[0] == "stack" for k in runner.graphs.entries)
     agree = sum(a.tokens == b.tokens for a, b in zip(results[True], results[False], strict=True))
     assert agree >= 2  # the same tokens up to rounding: padded shapes may flip a near-tie on random weights
-
-
-def _last(request):
-    while True:
-        event = request.events.get(timeout=120)
-        if isinstance(event, Exception):
-            raise event
-        if isinstance(event, DoneEvent):
-            return event.result
 
 
 def test_generation_with_the_graphed_step_is_unchanged(model):

@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=limits,
         check_host=loopback and not args.api_key,
         max_context=args.max_context,
+        prefix_cache_gb=args.prefix_cache_gb,
     )
     where = f"http://{args.host}:{args.port}"
     print(
@@ -85,6 +86,16 @@ def _non_negative_int(text: str) -> int:
     value = int(text) if text.lstrip("-").isdigit() else -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and value < 1 << 20):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0 (got {text})")
     return value
 
 
@@ -139,6 +150,14 @@ def _add_bound_args(s) -> None:
         default=None,
         help="positions (prompt + generated tokens) one request may use, which sizes its KV cache "
         "(default: the model's context, at most 32768)",
+    )
+    s.add_argument(
+        "--prefix-cache-gb",
+        type=_non_negative_float,
+        default=None,
+        help="GiB of keys and values kept after requests end, so that a later prompt starting with the same "
+        "tokens (a system prompt, a conversation, a file) loads them instead of encoding them; least recently "
+        "used first out; 0 turns it off (default: a tenth of the memory free at start)",
     )
     for f in dataclasses.fields(Limits):  # one flag per bound, named, typed and explained by its field
         kind = positive_int if f.type in (int, "int") else _positive_float

@@ -33,6 +33,7 @@ from ..model.kv_cache import EncodeStack, KVCache, StackedCache
 from ..model.model import DiffusionGemma
 from ..model.vision import Pixels
 from ..runtime.runner import Runner, as_runner
+from .reuse import PrefixCache, Reuse
 
 
 @dataclass
@@ -225,25 +226,39 @@ def answer(runner: Runner, call: ModelCall, buffer: LogitsBuffer | None = None) 
     return runner.denoise(call.tokens, call.cache, call.self_conditioning, out=out)
 
 
-def drive(model: DiffusionGemma | Runner, program: Program, observe=None) -> Iterator:
+def drive(
+    model: DiffusionGemma | Runner, program: Program, observe=None, prefix: PrefixCache | None = None
+) -> Iterator:
     """Run a program on its own: answer each model call (`answer`; on the reference modules for a
     reference program), pass its events through. `observe(call)`, if given, sees every DenoiseCall before
-    it is answered (stage 2 records the states)."""
+    it is answered (stage 2 records the states); `prefix`, a store its encodes load from and are kept in
+    (a fast program's: dgemma/generation/reuse.py)."""
     runner = as_runner(model)
     runner = runner.reference if program.reference else runner
     reply, buffer, steps = None, LogitsBuffer(runner.text_config.vocab_size, runner.device), program.steps
+    reuse = Reuse() if prefix is not None and not program.reference else None
     while True:
         try:
             item = steps.send(reply)
         except StopIteration:
             return
-        if isinstance(item, MODEL_CALLS):
+        if isinstance(item, EncodeCall) and reuse is not None:
+            reply = encode_reusing(runner, item, prefix, reuse)
+        elif isinstance(item, MODEL_CALLS):
             if observe is not None and isinstance(item, DenoiseCall):
                 observe(item)
             reply = answer(runner, item, buffer)
         else:
             reply = None
             yield item
+
+
+def encode_reusing(runner: Runner, call: EncodeCall, prefix: PrefixCache, reuse: Reuse) -> None:
+    """An encode with what `prefix` stores of it loaded, the rest encoded, and what it completes kept."""
+    rest = prefix.admit(call, reuse)
+    if rest is not None:
+        answer(runner, rest)
+    prefix.keep(reuse)
 
 
 def run(model: DiffusionGemma | Runner, program: Program, on_event=None) -> Any:
@@ -264,6 +279,27 @@ def _set_global_rng(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def prefill_only(program: Program) -> Program:
+    """`program` up to and with its first encode (its prompt's prefill), then done (a DoneEvent of None):
+    what warms a prefix cache with the prompt a request will bring."""
+
+    def steps():
+        reply = None
+        try:
+            while True:
+                item = program.steps.send(reply)
+                reply = yield item
+                if isinstance(item, EncodeCall):
+                    break
+        except StopIteration:
+            pass
+        finally:
+            program.steps.close()
+        yield DoneEvent(None)
+
+    return Program(steps(), program.reference, program.prompt_tokens)
 
 
 def own_global_rng(program):
@@ -331,6 +367,7 @@ class EngineRequest:
     program: Program
     want_drafts: bool = False
     timeout: float | None = None  # seconds from submission
+    reuse: bool = True  # whether it loads from and keeps in the engine's prefix cache (a fast program only)
     id: int = field(default_factory=itertools.count().__next__)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -338,6 +375,13 @@ class EngineRequest:
     # engine side
     _call: ModelCall | None = None  # the model call its program waits on
     _work: futures.Future | None = None  # its WorkCall, started on the worker thread
+    _reuse: Reuse | None = None  # its part in the engine's prefix cache (None: it takes none)
+    _admitted: EncodeCall | None = None  # the encode the prefix cache last saw
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt positions loaded from the prefix cache instead of encoded (known once it encoded)."""
+        return 0 if self._reuse is None else self._reuse.cached
 
     def __post_init__(self):
         self.steps = own_global_rng(self.program.steps) if self.program.reference else self.program.steps
@@ -356,6 +400,7 @@ class EngineStats:
     tokens_generated: int = 0
     denoising_steps: int = 0  # batched forward passes
     encode_passes: int = 0  # forward passes of encodes (prompts, commits): several requests' may share one
+    encoded_tokens: int = 0  # positions those passes computed (rows counted once each)
     row_steps: int = 0  # canvas-steps summed over the rows of those passes
     last_batch_size: int = 0  # requests denoised in the last step (fast ones together, exact ones alone)
 
@@ -372,10 +417,12 @@ class Engine:
         max_queue: int = 64,
         max_queued_tokens: int | None = None,
         batch_encodes: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ):
         """`max_queued_tokens` bounds the prompt tokens of the waiting requests (None: no bound); a request
         that alone exceeds it is taken when nothing else waits. `batch_encodes=False` encodes each
-        request's prompt and commits in passes of its own (benchmarks/batched_encodes.py compares)."""
+        request's prompt and commits in passes of its own (benchmarks/batched_encodes.py compares).
+        `prefix_cache`: where fast requests' prompts and commits are kept and looked up (None: none)."""
         if max_batch <= 0 or max_queue < 0 or (max_queued_tokens is not None and max_queued_tokens <= 0):
             raise ValueError("max_batch and max_queued_tokens must be > 0, and max_queue >= 0")
         self.runner = as_runner(model)
@@ -384,6 +431,7 @@ class Engine:
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
         self.batch_encodes = batch_encodes
+        self.prefix_cache = prefix_cache
         self.stats = EngineStats()
         self._waiting: deque[EngineRequest] = deque()
         self._active: list[EngineRequest] = []
@@ -441,7 +489,14 @@ class Engine:
         for request in waiting:
             request.events.put(ShuttingDown("the server is shutting down"))
 
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Drain, stop the engine thread and the worker."""
         self.drain()
         with self._lock:
             self._stop = True
@@ -489,6 +544,8 @@ class Engine:
         is given when it starts: a bad request ends here, with its error as its event."""
         if self._gone(request, time.monotonic()):
             return
+        if self.prefix_cache is not None and request.reuse and not request.program.reference:
+            request._reuse = Reuse()
         self._active.append(request)
         self._advance(request, None)
 
@@ -550,7 +607,7 @@ class Engine:
             ]
             if not waiting:
                 break
-            for group in self._encode_groups(waiting):
+            for group in self._encode_groups(self._admit(waiting)):
                 if len(group) > 1:
                     self._encode_together(group)
                 else:
@@ -584,6 +641,30 @@ class Engine:
             if isinstance(r._call, WorkCall) and r._work is None:
                 r._work = self._worker.submit(r._call.fn, *r._call.args)
 
+    def _admit(self, waiting: list[EngineRequest]) -> list[EngineRequest]:
+        """The prefix cache's look at each encode it has not seen: a prompt's stored prefix is loaded and
+        the request waits on the encode of the rest (or, all loaded, goes on). Returns those still waiting."""
+        out = []
+        for r in waiting:
+            call = r._call
+            if r._reuse is None or not isinstance(call, EncodeCall) or call is r._admitted:
+                out.append(r)
+                continue
+            rest = self.prefix_cache.admit(call, r._reuse)
+            if rest is None:
+                self.prefix_cache.keep(r._reuse)
+                self._advance(r, None)
+                continue
+            r._call = r._admitted = rest
+            out.append(r)
+        return out
+
+    def _encoded(self, request: EngineRequest, call: EncodeCall) -> None:
+        """After an encode of `request`'s: its positions counted, and what it completes kept in the prefix cache."""
+        self.stats.encoded_tokens += call.ids.shape[1]
+        if request._reuse is not None:
+            self.prefix_cache.keep(request._reuse)
+
     def _encode_groups(self, waiting: list[EngineRequest]) -> list[list[EngineRequest]]:
         """The requests waiting on calls other than denoising, grouped: fast text encodes of the same shape
         (caches at one length, as many new tokens, prompts or commits alike) together, the rest alone."""
@@ -616,6 +697,8 @@ class Engine:
             self._fail(group, e)
             return
         self.stats.encode_passes += 1
+        for r, call in zip(group, calls, strict=True):
+            self._encoded(r, call)
         for r in group:
             self._advance(r, None)
 
@@ -626,7 +709,9 @@ class Engine:
         except Exception as e:  # a bad prompt (e.g. images that do not fit it) fails alone
             self._fail([request], e)
             return
-        self.stats.encode_passes += isinstance(request._call, EncodeCall)
+        if isinstance(request._call, EncodeCall):
+            self.stats.encode_passes += 1
+            self._encoded(request, request._call)
         self._advance(request, reply)
 
     def _runner_of(self, request: EngineRequest) -> Runner:

@@ -32,6 +32,7 @@ from ..images import DEFAULT_BUDGET, text_prompt
 from ..model.kv_cache import KVCache
 from ..model.model import DiffusionGemma
 from .engine import Answer, DenoiseCall, DoneEvent, DraftEvent, EncodeCall, ModelCall, TokensEvent
+from .prediction import misled_rows, placed, prediction_counts
 from .sampling import (
     RequestError,
     SamplingParams,
@@ -70,6 +71,8 @@ class _Canvas:
     frontier: list[int] = field(default_factory=list)  # per row: leading positions already emitted
     entropy: torch.Tensor | None = None  # [B, C] with step_stats: the latest step's entropy
     confidence: torch.Tensor | None = None  # [B, C] with step_stats: the latest step's argmax probability
+    seeds: torch.Tensor | None = None  # [B, C] with a prediction: its tokens placed on this canvas (-1: none)
+    start: int = 0  # the canvas's first step, counted as steps remaining (lower for a seeded canvas)
 
 
 def _canvas_window(per_position: torch.Tensor | None, k: int, c: int, b: int, device) -> torch.Tensor:
@@ -100,8 +103,10 @@ class Loop:
         logprobs: int | None = None,
         step_stats: bool = False,
         prompt: EncodeCall | None = None,
+        prediction: torch.Tensor | None = None,
     ):
         self.step_stats, self.prompt, self.stats = step_stats, prompt, stats
+        self.prediction = prediction  # [B, L] token ids seeding the canvases (-1: none), or None
         self.model, self.cache, self.p, self.out = model, cache, p, out
         self.b = cache.batch_size
         self.c = model.config.canvas_length
@@ -123,12 +128,16 @@ class Loop:
     def _new_canvas(self, k: int) -> _Canvas:
         b, c = self.b, self.c
         tokens = random_tokens((b, c), self.v, self.device, self.gen)
+        window = _canvas_window(self.prediction, k, c, b, self.device)  # a prediction's tokens replace the noise
         pin_values = _canvas_window(self.pins, k, c, b, self.device)
         pinned = pin_values >= 0
-        tokens = torch.where(pinned, pin_values, tokens)
+        tokens = torch.where(pinned, pin_values, torch.where(window >= 0, window, tokens))
         budget = self.p.max_new_tokens - k * c
         needed = (torch.arange(c, device=self.device) < budget).expand(b, c)
         done = torch.tensor([self.out.finished(r) for r in range(b)], device=self.device)
+        seeds, start = None, self.p.max_denoising_steps
+        if self.prediction is not None:
+            seeds, start = placed(window, pinned | ~needed | done[:, None], start)
         return _Canvas(
             tokens=tokens,
             argmax=tokens,
@@ -137,6 +146,8 @@ class Loop:
             done=done,
             needed=needed,
             allowed=None if self.allowed is None else _canvas_window(self.allowed.index, k, c, b, self.device),
+            seeds=seeds,
+            start=start,
             steps=torch.zeros(b, dtype=torch.long, device=self.device),
             stable_steps=torch.zeros(b, c, dtype=torch.long, device=self.device),
             frontier=[0] * b,
@@ -200,6 +211,21 @@ class Loop:
         accepted[rows] = t.accepted
         return accepted
 
+    def _drop_misleading(self, st: _Canvas, stopper: StableAndConfident) -> bool:
+        """After a seeded canvas's first step, the rows whose draft mostly disagrees with their prediction
+        (`misled_rows`) start again from noise, as if never seeded (the step they spent is counted); True
+        if any did (the canvas then goes on with an unseeded canvas's schedule)."""
+        rows = misled_rows(st.argmax, st.seeds) & ~st.done
+        if not bool(rows.any()):
+            return False
+        noise = random_tokens(st.tokens.shape, self.v, self.device, self.gen)
+        st.tokens = torch.where(rows[:, None] & ~st.pinned, noise, st.tokens)
+        if st.sc is not None:  # no self-conditioning: a first step's input
+            st.sc = st.sc.masked_fill(rows[:, None, None], 0)
+        st.stable_steps.masked_fill_(rows[:, None], 0)
+        stopper.forget(rows)
+        return True
+
     def _keep_stats(self, st: _Canvas, rows, everyone: bool, t) -> None:
         """The step's entropy and confidence of the rows that ran it (stopped rows keep theirs)."""
         if everyone:
@@ -260,8 +286,13 @@ class Loop:
         for k in range(self.num_canvases):
             st = self._new_canvas(k)
             stopper = StableAndConfident(p.stability_threshold, p.confidence_threshold, (self.b, c), self.device)
-            for n, step in enumerate(range(p.max_denoising_steps, 0, -1), 1):
+            step, n = st.start, 0
+            while step > 0:  # steps remaining: max_denoising_steps (or a seeded canvas's start) down to 1
+                n += 1
                 accepted = yield from self._fast_step(st, step, stopper)
+                step -= 1
+                if n == 1 and st.seeds is not None and self._drop_misleading(st, stopper):
+                    step = p.max_denoising_steps - 1  # the rest of an unseeded canvas's schedule
                 yield DraftEvent(k, n, st.argmax, accepted, st.entropy, st.confidence)
                 if p.early_commit:
                     yield from self._early_commit(st, k)
@@ -282,7 +313,11 @@ class Loop:
                 break
             # commit: generated tokens, which may hold the image placeholder id (embedded as any token)
             yield EncodeCall(seq, self.cache, is_generated=True)
-        yield DoneEvent(self.out.result(torch.cat(sequences, dim=1), self.logprobs is not None))
+        result = self.out.result(torch.cat(sequences, dim=1), self.logprobs is not None)
+        if self.prediction is not None:
+            counts = prediction_counts(self.prediction, self.pins, result.tokens)
+            result.accepted_prediction_tokens, result.rejected_prediction_tokens = counts
+        yield DoneEvent(result)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,6 +433,9 @@ class GenerationResult:
     # (before temperature), and the k likeliest tokens there as (id, log-probability)
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # with a prediction, per row: its placed tokens the answer kept at their position, and the others
+    accepted_prediction_tokens: list[int] | None = None
+    rejected_prediction_tokens: list[int] | None = None
 
     def answer(self, row: int = 0) -> Answer:
         """Row `row` as a front end shows it: its tokens (streamed as they became final), the generation."""

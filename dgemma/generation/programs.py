@@ -70,7 +70,9 @@ from .loop import (
     text_ends,
     with_images,
 )
+from .prediction import check_prediction, prediction_tensor
 from .reference import reference_program
+from .reuse import PrefixCache
 from .sampling import RequestError, SamplingParams
 
 MAX_RETRIES = 8
@@ -146,9 +148,9 @@ def check_rows(rows: list[list[int]], model: DiffusionGemma, param: str, what: s
         check_ids(row, model.text_config.vocab_size, f"{what or param} {i}", param)
 
 
-def fast_only(params: SamplingParams, what: str) -> None:
+def fast_only(params: SamplingParams, what: str, param: str = "mode") -> None:
     if params.mode == "exact":
-        raise RequestError(f"mode 'exact' has no {what} (transformers' generate has none): use mode 'fast'", "mode")
+        raise RequestError(f"mode 'exact' has no {what} (transformers' generate has none): use mode 'fast'", param)
 
 
 class SchemaRefused(RequestError, StructuredOutputError):
@@ -179,6 +181,7 @@ class Generate:
     logprobs: int | None = None
     pixels: Any = None
     step_stats: bool = False
+    prediction: Any = None  # token ids the answer is expected to be (for every row, or one list per row)
     work: ClassVar[str | None] = None  # what a server runs `check` as: None (inline), "tokenize", "compile"
 
     def check(self, model: DiffusionGemma, context: int | None = None) -> Generate:
@@ -197,7 +200,11 @@ class Generate:
         allowed = as_allowed(self.allowed, len(self.prompt), model.text_config.vocab_size)
         if allowed is not None:
             allowed.check(len(self.prompt), model.text_config.vocab_size, self.pins)
-        return dataclasses.replace(self, params=p, allowed=allowed)
+        prediction = self.prediction
+        if prediction is not None:
+            fast_only(p, "prediction (a seeded canvas)", "prediction")
+            prediction = check_prediction(prediction, len(self.prompt), n, model.text_config.vocab_size)
+        return dataclasses.replace(self, params=p, allowed=allowed, prediction=prediction)
 
     def _check_logprobs(self, p: SamplingParams) -> None:
         k = self.logprobs
@@ -230,7 +237,8 @@ class Generate:
             return reference_program(model, cache, p, encode, out, self.step_stats)
         pins = None if self.pins is None else self.pins.to(model.device)
         allowed = None if self.allowed is None else self.allowed.to(model.device)
-        return Loop(model, stats, cache, p, pins, out, allowed, self.logprobs, self.step_stats, encode).run()
+        seeds = None if self.prediction is None else prediction_tensor(self.prediction, model.device)
+        return Loop(model, stats, cache, p, pins, out, allowed, self.logprobs, self.step_stats, encode, seeds).run()
 
 
 @dataclass(frozen=True)
@@ -284,6 +292,9 @@ def stream(
     pixels=None,
     max_soft_tokens: int | None = None,
     step_stats: bool = False,
+    prediction=None,
+    prefix: PrefixCache | None = None,
+    context: int | None = None,
     **overrides,
 ) -> Iterator[Event]:
     """Generate, yielding DraftEvent after every denoising step, TokensEvent as tokens become final, and a
@@ -299,14 +310,20 @@ def stream(
     (paths, bytes or PIL images) go with a text prompt holding one image token per image (as a chat
     template writes them; dgemma.chat_prompt makes one from messages), each given at most
     `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts.
+    `prediction` (fast mode): the answer as expected, token ids or text (with `tokenizer`), or one per row;
+    its tokens seed the canvases and the result counts those kept (dgemma/generation/prediction.py).
+    `prefix` (a PrefixCache, dgemma/generation/reuse.py): the prompt's longest stored prefix is loaded
+    instead of encoded, and the prompt and committed canvases are kept there (a Session's); `context`
+    bounds the positions the prompt and the answer use (default: the model's, or what `cache` has left).
     """
     runner = as_runner(model)
     if images is not None:
         prompt, pixels = with_images(runner.model, prompt, tokenizer, pixels, images, max_soft_tokens)
     settings = library_params(params, overrides)
-    task = Generate(prompt_rows(prompt, tokenizer), settings, pins, allowed, logprobs, pixels, step_stats)
-    task = library_checked(task, runner.model, None if cache is None else cache.max_length - cache.length)
-    for event in drive(runner, task.program(runner.model, runner.canvas_stats, cache)):
+    seeds = _prediction_ids(prediction, tokenizer)
+    task = Generate(prompt_rows(prompt, tokenizer), settings, pins, allowed, logprobs, pixels, step_stats, seeds)
+    task = library_checked(task, runner.model, context if cache is None else cache.max_length - cache.length)
+    for event in drive(runner, task.program(runner.model, runner.canvas_stats, cache), prefix=prefix):
         if isinstance(event, DoneEvent) and tokenizer is not None:
             event.result.text = [tokenizer.decode(t) for t in event.result.tokens]
         yield event
@@ -418,6 +435,18 @@ def infill_program(model: DiffusionGemma, stats, task: Infill) -> Generator:
     yield DoneEvent(
         InfillResult(middle, plan.prefix + middle + plan.suffix, plan.lengths[best], scores, result, row=best)
     )
+
+
+def _prediction_ids(prediction, tokenizer):
+    """A library call's prediction as token ids: text (or one text per row) encoded without special tokens,
+    a tensor as its list."""
+    if isinstance(prediction, torch.Tensor):
+        return prediction.tolist()
+    if isinstance(prediction, str):
+        return _text_or_ids(prediction, tokenizer, "prediction")
+    if isinstance(prediction, list) and prediction and all(isinstance(p, str) for p in prediction):
+        return [_text_or_ids(p, tokenizer, "prediction") for p in prediction]
+    return prediction
 
 
 def _text_or_ids(value, tokenizer, param: str) -> list[int]:

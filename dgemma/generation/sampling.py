@@ -302,6 +302,11 @@ class StableAndConfident:
         if canvas_shape is not None and stability_threshold > 0:  # needed when the first call sees some rows
             self.history = torch.full((stability_threshold, *canvas_shape), -1, dtype=torch.long, device=device)
 
+    def forget(self, rows: torch.Tensor) -> None:
+        """Rows ([B] bool) whose canvas starts again: no earlier step counts toward their stability."""
+        if self.history is not None:
+            self.history[:, rows] = -1
+
     def __call__(
         self,
         argmax: torch.Tensor,

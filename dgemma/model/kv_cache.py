@@ -14,6 +14,11 @@ The cache can be reused across turns: each `encode` appends after what is there.
 
 Training uses `keep_all=True`: sliding layers then keep every position too, so that `prefix(n)` can show
 a denoising pass exactly the keys an earlier point of the sequence had (the window ending at position n).
+
+A prefix cache (dgemma/generation/reuse.py) reads every position a request encoded and writes a stored
+prefix into a new cache: `keep_history()` makes the sliding layers also keep every position they are
+given, in a history beside their ring (the ring, what denoising reads, is unchanged); `kv_range` reads
+positions back and `load_prefix` writes a prefix into an empty cache.
 """
 
 from __future__ import annotations
@@ -93,13 +98,73 @@ class KVCache:
         self._read_only = False  # row and prefix views
         self._denoise_memo: tuple | None = None  # (key, result) of prepare_denoise while the cache is unchanged
         self.version = 0  # counts writes and resets: a copy of the cache taken at one version is still its content
+        self.history: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # see keep_history()
 
     @property
     def device(self) -> torch.device:
         return self.valid.device
 
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+        held = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+        return held + sum(k.nbytes + v.nbytes for k, v in filter(None, self.history or []))
+
+    def _is_ring(self, i: int) -> bool:
+        return self.is_sliding[i] and not self.keep_all
+
+    def keep_history(self) -> None:
+        """Keep every position each sliding ring is given, in a history of `max_length` slots beside the
+        ring, so that `kv_range` can read any written position (what a prefix cache stores). Before the
+        first write only; a no-op without rings."""
+        if self.length or self._read_only:
+            raise ValueError("keep_history() is for a new cache, before anything is written")
+        if self.history is not None:
+            return
+        self.history = []
+        for i, k in enumerate(self.keys):
+            shape = (*k.shape[:2], self.max_length, k.shape[3])
+            self.history.append((k.new_zeros(shape), k.new_zeros(shape)) if self._is_ring(i) else None)
+
+    def kv_range(self, i: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values [B, Hkv, end - start, D] of written positions [start, end) (a ring
+        layer needs `keep_history`, or the positions still in its window)."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"positions [{start}, {end}) are outside the {self.length} written")
+        if not self._is_ring(i):
+            return self.keys[i][:, :, start:end], self.values[i][:, :, start:end]
+        if self.history is not None:
+            k, v = self.history[i]
+            return k[:, :, start:end], v[:, :, start:end]
+        slots = self.keys[i].shape[2]
+        if start < self.length - slots:
+            raise ValueError("a sliding ring has forgotten these positions (keep_history() keeps them)")
+        first = slots - (self.length - start)
+        return self.keys[i][:, :, first : first + end - start], self.values[i][:, :, first : first + end - start]
+
+    def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write a prefix into this empty cache: per layer, keys and values [Hkv, n, D] of positions
+        [0, n) of one sequence, the same for every row (what a prefix cache stored). Each ring takes its
+        window's last positions, and its history (if kept) all of them."""
+        if self.length or self._read_only:
+            raise ValueError("load_prefix() writes an empty cache")
+        n = keys[0].shape[1]
+        if n > self.max_length:
+            raise ValueError(f"a prefix of {n} positions does not fit a cache of {self.max_length}")
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if not self._is_ring(i):
+                self.keys[i][:, :, :n] = k
+                self.values[i][:, :, :n] = v
+                continue
+            slots = self.keys[i].shape[2]
+            m = min(n, slots)
+            self.keys[i][:, :, slots - m :] = k[:, n - m :]
+            self.values[i][:, :, slots - m :] = v[:, n - m :]
+            if self.history is not None:
+                self.history[i][0][:, :, :n] = k
+                self.history[i][1][:, :, :n] = v
+        self.valid[:, :n] = True
+        self.length = n
+        self._denoise_memo = None
+        self.version += 1
 
     def reset(self) -> None:
         """Forget everything (the buffers are kept and overwritten by the next encode)."""
@@ -240,6 +305,9 @@ class KVCache:
             self.values[i][:, :, self.length : end] = v
             start = end - t - self.num_cached(self.is_sliding[i])
             return self.keys[i][:, :, start:end], self.values[i][:, :, start:end]
+        if self.history is not None:
+            self.history[i][0][:, :, self.length : self.length + t] = k
+            self.history[i][1][:, :, self.length : self.length + t] = v
         keys, values = self.with_prefix(i, k, v)
         slots = self.keys[i].shape[2]
         m = min(keys.shape[2], slots)  # right-align the newest m positions

@@ -16,12 +16,38 @@ from .protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .runs import Piece, Served
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_of(
+    prompt_tokens: int, completion_tokens: int, cached: int = 0, prediction: tuple[int, int] | None = None
+) -> dict:
+    """OpenAI's usage: `cached` of the prompt tokens were loaded from the prefix cache (prompt_tokens_details);
+    with a prediction, its (accepted, rejected) tokens (completion_tokens_details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        **({} if prediction is None else {"completion_tokens_details": prediction_details(*prediction)}),
     }
+
+
+def prediction_details(accepted: int, rejected: int) -> dict:
+    """OpenAI's completion_tokens_details of a request with a prediction: its tokens the answers kept at
+    their positions, and the others placed on their canvases."""
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected}
+
+
+def prediction_of(choices) -> tuple[int, int] | None:
+    """The (accepted, rejected) prediction tokens of a request's choices, summed; None without a prediction."""
+    counts = [c.prediction for c in choices if c.prediction is not None]
+    return (sum(a for a, _ in counts), sum(r for _, r in counts)) if counts else None
+
+
+def cached_of(choices, chat: bool) -> int:
+    """The prompt positions the prefix cache gave a request's choices: a chat prompt's once (usage counts it
+    once), every completion choice's prompt (usage counts each)."""
+    if chat:
+        return choices[0].request.cached_tokens if choices else 0
+    return sum(c.request.cached_tokens for c in choices)
 
 
 def role_delta(index: int) -> dict:
@@ -101,7 +127,12 @@ async def chat_answer(served, body: ChatCompletionRequest, started) -> dict:
         "created": int(time.time()),
         "model": served.name,
         "choices": out,
-        "usage": usage_of(started.prompt_tokens, sum(c.returned_tokens for c in choices)),
+        "usage": usage_of(
+            started.prompt_tokens,
+            sum(c.returned_tokens for c in choices),
+            cached_of(choices, True),
+            prediction_of(choices),
+        ),
         "dgemma": {
             "steps_per_canvas": [c.steps_per_canvas for c in choices],
             "tokens_per_forward": [c.tokens_per_forward for c in choices],
@@ -137,9 +168,9 @@ class Chunks:
         return sse({**self.head, "choices": [{"index": index, **body, "finish_reason": reason}], **extra})
 
     def usage(self, prompt_tokens: int, choices) -> str:
-        return sse(
-            {**self.head, "choices": [], "usage": usage_of(prompt_tokens, sum(c.returned_tokens for c in choices))}
-        )
+        made, cached = sum(c.returned_tokens for c in choices), cached_of(choices, self.chat)
+        usage = usage_of(prompt_tokens, made, cached, prediction_of(choices))
+        return sse({**self.head, "choices": [], "usage": usage})
 
 
 async def event_stream(chunks: Chunks, pieces, choices, opening: list[str], prompt_tokens: int, usage: bool):
@@ -219,7 +250,12 @@ async def completion_answer(served, body: CompletionRequest, pieces, choices, ec
         "created": int(time.time()),
         "model": served.name,
         "choices": out,
-        "usage": usage_of(sum(len(p) for p in prompts) * body.n, sum(c.returned_tokens for c in choices)),
+        "usage": usage_of(
+            sum(len(p) for p in prompts) * body.n,
+            sum(c.returned_tokens for c in choices),
+            cached_of(choices, False),
+            prediction_of(choices),
+        ),
     }
     if plan is not None:  # the length given (None: chosen per choice), and each choice's
         fixed = plan.lengths[0] if len(plan.lengths) == 1 else None

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
     fastapi_offline = None
 
 from ..generation.engine import Engine
+from ..generation.reuse import PrefixCache
 from ..runtime.runner import as_runner
 from .dialects import llamacpp, messages, ollama, responses
 from .guard import Guard
@@ -61,20 +62,28 @@ def create_app(
     limits: Limits | None = None,
     check_host: bool = False,
     max_context: int | None = None,
+    prefix_cache_gb: float | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `model`, a DiffusionGemma or a Runner of one (`dgemma.accelerate(model)`:
     fast requests on the fast modules); its engine thread starts now and stops with the app.
 
     `check_host` answers only requests addressed to localhost (set it when serving on loopback without
     a key); `limits` bounds the body (see guard.Limits); `max_context` bounds the positions (prompt and
-    generated tokens) of one request, and so its KV cache (default: the model's context, at most 32768)."""
+    generated tokens) of one request, and so its KV cache (default: the model's context, at most 32768);
+    `prefix_cache_gb` bounds the prefix cache that prompts and committed canvases are kept in for later
+    requests (0: none; default: reuse.DEFAULT_SHARE of the memory free now)."""
     runner = as_runner(model)
     model_context = runner.model.text_config.max_position_embeddings
     context = min(model_context, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     if not 0 < context <= model_context:
         raise ValueError(f"max_context must be in [1, {model_context}] (the model's context); got {context}")
     limits = limits or Limits()
-    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, max_queued_tokens=limits.max_queued_tokens)
+    if prefix_cache_gb is not None and not 0 <= prefix_cache_gb < 1 << 20:
+        raise ValueError(f"prefix_cache_gb must be a number of GiB >= 0; got {prefix_cache_gb}")
+    size = None if prefix_cache_gb is None else int(prefix_cache_gb * (1 << 30))
+    prefix = None if size == 0 else PrefixCache.for_model(runner.model, size)
+    queued = limits.max_queued_tokens
+    engine = Engine(runner, max_batch=max_batch, max_queue=max_queue, max_queued_tokens=queued, prefix_cache=prefix)
     semaphore = asyncio.Semaphore(TOKENIZE_AT_ONCE)
     served = Served(runner.model, tokenizer, engine, model_name, request_timeout, semaphore, context)
 

@@ -20,6 +20,7 @@ _COUNTERS = {  # EngineStats field -> (metric name, help)
     "tokens_generated": ("dgemma_tokens_generated", "tokens generated"),
     "denoising_steps": ("dgemma_denoising_steps", "batched denoising passes"),
     "row_steps": ("dgemma_canvas_steps", "canvas steps summed over the rows of those passes"),
+    "encoded_tokens": ("dgemma_encoded_tokens", "positions the encoder computed (prompts and commits)"),
 }
 
 
@@ -41,6 +42,35 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from _prefix_metrics(self.engine)
+
+
+_PREFIX_COUNTERS = {  # PrefixStats field -> (metric name, help)
+    "lookups": ("dgemma_prefix_cache_lookups", "prompts looked up in the prefix cache"),
+    "hits": ("dgemma_prefix_cache_hits", "prompts that found a stored prefix"),
+    "prompt_tokens": ("dgemma_prefix_cache_prompt_tokens", "positions of the prompts looked up"),
+    "cached_tokens": ("dgemma_prefix_cache_cached_tokens", "of those, positions loaded instead of encoded"),
+    "evictions": ("dgemma_prefix_cache_evictions", "blocks evicted to make room"),
+    "stored_blocks": ("dgemma_prefix_cache_stored_blocks", "blocks stored"),
+}
+
+
+def _prefix_metrics(engine: Engine):
+    """The prefix cache's counters and gauges (hit rate by positions, bytes held and their bound)."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return
+    s = cache.stats
+    for field, (name, doc) in _PREFIX_COUNTERS.items():
+        yield CounterMetricFamily(name, doc, value=getattr(s, field))
+    gauges = {
+        "dgemma_prefix_cache_hit_rate": ("cached / looked-up positions", s.cached_tokens / max(s.prompt_tokens, 1)),
+        "dgemma_prefix_cache_bytes": ("bytes of keys and values held", cache.nbytes),
+        "dgemma_prefix_cache_max_bytes": ("the bound on those bytes (--prefix-cache-gb)", cache.max_bytes),
+        "dgemma_prefix_cache_blocks": ("blocks held", cache.blocks),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:

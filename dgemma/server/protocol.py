@@ -37,6 +37,7 @@ MAX_SCHEMA_CHARS = 32768  # a response_format's JSON schema, or a tool's paramet
 MAX_SCHEMA_DEPTH = MAX_VALUE_DEPTH  # nesting of a schema, a tool's parameters or a call's arguments
 MAX_DESCRIPTION_CHARS = 8192  # a tool's description
 MAX_ARGUMENTS_CHARS = 32768  # a replayed tool call's arguments, as JSON text
+MAX_PREDICTION_PARTS = 256  # text parts of a prediction (its characters are bounded by the context, as a prompt's)
 IMAGE_BUDGETS = Literal[SOFT_TOKEN_BUDGETS]  # the five budgets, as a request field's type
 
 
@@ -365,6 +366,22 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class PredictionPart(Body):
+    type: Literal["text"]
+    text: Text
+
+
+class Prediction(Body):
+    """`prediction` (OpenAI's Predicted Outputs): the answer as expected, text or text parts; its tokens seed
+    the canvas (dgemma/generation/prediction.py), as many as the answer's length takes."""
+
+    type: Literal["content"]
+    content: Text | Annotated[list[PredictionPart], Field(max_length=MAX_PREDICTION_PARTS)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class DiffusionSettings(Body):
     """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
 
@@ -392,6 +409,9 @@ class DiffusionSettings(Body):
     early_commit_steps: int | None = setting_field("early_commit_steps")
     early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
+    # extension (llama.cpp's name): load the prompt's longest stored prefix from the server's prefix cache and
+    # keep the prompt there; false: encode it whole and keep nothing of it
+    cache_prompt: bool = True
     response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured/
     # extension: the answer is exactly one of these, the one the model scores best (dgemma.choose)
     choices: list[Annotated[Text, Field(min_length=1, max_length=MAX_OPTION_CHARS)]] | None = Field(
@@ -401,6 +421,7 @@ class DiffusionSettings(Body):
     # extension: a JSON answer or a required tool call that does not validate is drawn again this many times
     # (default 2, as dgemma.generate_json's `retries`)
     retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES)
+    prediction: Prediction | None = None  # the answer as expected: its tokens seed the canvas (fast mode)
     # OpenAI fields accepted only at their no-op value (see _NO_OP_VALUES)
     top_p: Any = None
     presence_penalty: Any = None
@@ -442,6 +463,11 @@ class DiffusionSettings(Body):
             )
         if json_format and self.stop:
             return "stop", "stop: does not apply with a JSON response_format (the JSON ends itself)"
+        unseeded = {"a JSON response_format": json_format, "suffix": getattr(self, "suffix", None) is not None}
+        unseeded["mode 'exact'"] = self.mode == "exact"  # what a prediction cannot seed: not a free text answer
+        against = next((n for n, given in unseeded.items() if given), None)
+        if self.prediction is not None and against is not None:
+            return "prediction", f"prediction: seeds a text answer's canvas in mode 'fast', not with {against}"
         whole = {"suffix": getattr(self, "suffix", None) is not None, "response_format": json_format}
         other = next((n for n, given in (*whole.items(), ("stream", self.stream)) if given), None)
         logprobs = getattr(self, "logprobs", None)  # chat's a bool, completions' a count (0 is one)
@@ -524,6 +550,7 @@ class ChatCompletionRequest(DiffusionSettings):
             ("max_soft_tokens", "applies to image parts; there are none", bool(self.max_soft_tokens) and not images),
             ("tool_choice", "needs tools to call", self.forced_call and not self.tools),
             ("top_logprobs", "needs logprobs: true", self.top_logprobs and not self.logprobs),
+            ("prediction", "does not go with tools (use tool_choice 'none')", self.prediction and tools),
         ]  # fmt: skip
         return found or next(((n, f"{n}: {why}") for n, why, broken in rules if broken), None)
 

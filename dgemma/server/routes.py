@@ -124,9 +124,10 @@ def submit(
     stops: list[str] | None = None,
     reasoning: bool = False,
     want_drafts: bool = False,
+    cache_prompt: bool = True,
 ) -> list[Choice]:
     """One engine request per checked task (one per prompt) and choice: choice i of task j has index
-    j * n + i and the task's seed + i."""
+    j * n + i and the task's seed + i; `cache_prompt` False keeps them out of the prefix cache."""
     if len(tasks) * n > served.engine.capacity:
         message = f"{len(tasks) * n} choices exceed what this server holds at once ({served.engine.capacity})"
         raise ApiError(400, message, "n")
@@ -136,7 +137,7 @@ def submit(
     for j, task in enumerate(tasks):
         for i in range(n):
             program = _seeded(task, i).program(served.model, runner.canvas_stats)
-            req = EngineRequest(program, want_drafts=want_drafts, timeout=served.request_timeout)
+            req = EngineRequest(program, want_drafts, served.request_timeout, reuse=cache_prompt)
             try:
                 _enqueue(served.engine, req, loop)
             except ApiError:
@@ -186,8 +187,15 @@ async def outcome(engine: Engine, program: Program, timeout: float | None = None
 # /v1/chat/completions
 
 
-def chat_task(body: ChatCompletionRequest, prompt: list[int], pixels, tools: list | None, tokenizer) -> Task:
-    """The task a chat body asks for (its prompt tokenized, `tools` when they are used)."""
+def chat_task(
+    body: ChatCompletionRequest,
+    prompt: list[int],
+    pixels,
+    tools: list | None,
+    tokenizer,
+    prediction: list[int] | None = None,
+) -> Task:
+    """The task a chat body asks for (its prompt and `prediction` tokenized, `tools` when they are used)."""
     requested, _ = body.requested_tokens
     params = body.sampling(requested)
     retries = {} if body.retries is None else {"retries": body.retries}
@@ -202,7 +210,7 @@ def chat_task(body: ChatCompletionRequest, prompt: list[int], pixels, tools: lis
     if json_format:
         return _json_task(body, prompt, params, tokenizer, pixels)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return Generate([prompt], params, logprobs=logprobs, pixels=pixels)
+    return Generate([prompt], params, logprobs=logprobs, pixels=pixels, prediction=prediction)
 
 
 def _json_task(body, prompt: list[int], params, tokenizer, pixels=None) -> Json:
@@ -210,6 +218,15 @@ def _json_task(body, prompt: list[int], params, tokenizer, pixels=None) -> Json:
     schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
     retries = {} if body.retries is None else {"retries": body.retries}
     return Json(prompt, schema, tokenizer, params, pixels=pixels, **retries)
+
+
+async def prediction_ids(served: Served, body) -> list[int] | None:
+    """A body's `prediction` as token ids (its text tokenized without special tokens), or None."""
+    if body.prediction is None:
+        return None
+    text = body.prediction.text()
+    check_chars(served, len(text), "prediction")
+    return await tokenize(served, served.tokenizer.encode, text, param="prediction", add_special_tokens=False)
 
 
 def check_body(served: Served, body) -> None:
@@ -238,9 +255,13 @@ async def start_chat(served: Served, body: ChatCompletionRequest, http: Request)
     prompt, pixels, tools = await conversation(served, body)
     tok = served.tokenizer
     names = {"prompt": "messages", "max_tokens": body.requested_tokens[1], "schema": SCHEMA, "options": "choices"}
-    task = await checked(served, chat_task(body, prompt, pixels, tools, tok), http, names)
+    predicted = await prediction_ids(served, body)
+    task = await checked(served, chat_task(body, prompt, pixels, tools, tok, predicted), http, names)
     want_drafts = body.include_drafts and body.stream
-    choices = submit(served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts)
+    choices = submit(
+        served, [task], body.n, stops=body.stop, reasoning=body.reasoning, want_drafts=want_drafts,
+        cache_prompt=body.cache_prompt,
+    )  # fmt: skip
     pieces = run(choices, tok, http.is_disconnected)
     pieces = answers.with_calls(pieces, answers.call_limit(body)) if tools else pieces
     return Started(choices, pieces, len(prompt), [prompt], [task])
@@ -317,7 +338,8 @@ async def completion_tasks(served: Served, body: CompletionRequest, prompts: lis
         suffix = await tokenize(served, tok.encode, body.suffix, param="suffix", add_special_tokens=False)
         length = "auto" if body.max_tokens is None else body.max_tokens  # the middle's: not a generation's
         return [Infill(prompts[0], suffix, length, body.sampling(None), logprobs=body.logprobs)]
-    return [Generate([p], params, logprobs=body.logprobs) for p in prompts]
+    predicted = await prediction_ids(served, body)
+    return [Generate([p], params, logprobs=body.logprobs, prediction=predicted) for p in prompts]
 
 
 async def completion_checked(served: Served, body: CompletionRequest, http: Request | None):
@@ -333,7 +355,7 @@ async def start_completion(served: Served, body: CompletionRequest, http: Reques
     submitted: /v1/completions, Ollama's generate and llama.cpp's /infill and /completion start here."""
     prompts, tasks = await completion_checked(served, body, http)
     want_drafts = body.include_drafts and body.stream
-    choices = submit(served, tasks, body.n, stops=body.stop, want_drafts=want_drafts)
+    choices = submit(served, tasks, body.n, stops=body.stop, want_drafts=want_drafts, cache_prompt=body.cache_prompt)
     pieces = run(choices, served.tokenizer, http.is_disconnected)
     return Started(choices, pieces, sum(len(p) for p in prompts) * body.n, prompts, tasks)
 

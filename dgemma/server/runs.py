@@ -79,6 +79,7 @@ class Choice:
     answer: str | None = None  # the text to send, when the program writes it (a JSON answer) rather than decoding
     finish_reason: str | None = None  # set by a program whose answer is whole ("stop")
     logprobs: tuple[list[float], list] | None = None  # with logprobs: per output token, and its alternatives
+    prediction: tuple[int, int] | None = None  # with a prediction: its (accepted, rejected) tokens
 
     def stop_string(self, decode: Callable[[list[int]], str]) -> str | None:
         """The stop string that ended this choice's text, or None."""
@@ -151,6 +152,9 @@ def _on_event(choice: Choice, event, tokenizer) -> list[Piece]:
             choice.logprobs = (generated.logprobs[choice.row], generated.top_logprobs[choice.row])
         choice.steps_per_canvas = generated.stats.steps_per_canvas[choice.row]
         choice.tokens_per_forward = round(generated.stats.tokens_per_forward[choice.row], 3)
+        if generated.accepted_prediction_tokens is not None:
+            counts = generated.accepted_prediction_tokens, generated.rejected_prediction_tokens
+            choice.prediction = counts[0][choice.row], counts[1][choice.row]
     if done or choice.text.stopped:
         choice.ended = True
         given = "stop" if choice.text.stopped else choice.finish_reason  # a stop string, or a whole answer

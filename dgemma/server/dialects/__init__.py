@@ -19,7 +19,7 @@ from ..runs import Piece, Served
 EXTENSIONS = frozenset(
     {"max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold"}
     | {"sampler", "confidence", "tokens_per_step", "mode", "early_commit", "early_commit_steps"}
-    | {"early_commit_entropy", "greedy", "seed", "retries", "ignore_eos", "max_soft_tokens"}
+    | {"early_commit_entropy", "greedy", "seed", "retries", "ignore_eos", "max_soft_tokens", "cache_prompt"}
 )
 
 

@@ -12,12 +12,12 @@ the middle: what comes after `prompt`.
 /completion: `prompt` (one string or one list of token ids), `n_predict` (-1 or absent: not given) as
 max_tokens: the Generate task.
 Both: `temperature`, `seed` (-1: a random one, as in llama.cpp), `stop`, `stream`, `model`, and dgemma's
-settings under `dgemma` (dialects.EXTENSIONS). `n_predict: 0` (llama.vscode's cache-warming call) is
-answered at once, with empty content and the prompt's token count, and runs nothing: dgemma keeps no prompt
-cache yet, so there is nothing to warm.
+settings under `dgemma` (dialects.EXTENSIONS). `n_predict: 0` (llama.vscode's cache-warming call) runs the
+prompt's prefill only, which keeps it in the server's prefix cache for the calls that follow (unless
+`cache_prompt` is false or the server has none), and answers with empty content and the prompt's token count.
 
 Accepted and without effect (llama.vscode sends them; a diffusion model has no counterpart), and named in the
-answer's `generation_settings.not_applied`: top_k, top_p, samplers, cache_prompt, n_indent,
+answer's `generation_settings.not_applied`: top_k, top_p, samplers, n_indent,
 t_max_prompt_ms, t_max_predict_ms, and input_extra[].time. Refused unless at their no-op value: lora (one
 model, no per-request adapters), grammar, json_schema (/v1/completions' response_format makes JSON by
 construction), n_probs (its logprobs), logit_bias. Any other field is refused as unknown.
@@ -38,14 +38,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator
 
+from ...generation.engine import prefill_only
 from ..answers import gather, sse
 from ..protocol import ApiError, Body, CompletionRequest, Text
-from ..routes import Started, completion_checked
+from ..routes import Started, completion_checked, outcome
 from ..runs import Choice, Served
 from . import Renames, extensions, mapped, start_mapped
 
 MAX_EXTRA = 256  # input_extra chunks (llama.vscode keeps 16 by default)
-NOT_APPLIED = ("top_k", "top_p", "samplers", "cache_prompt", "n_indent", "t_max_prompt_ms", "t_max_predict_ms")
+NOT_APPLIED = ("top_k", "top_p", "samplers", "n_indent", "t_max_prompt_ms", "t_max_predict_ms")
 _REFUSED = {  # field -> (its no-op values, why another value is refused)
     "lora": (([],), "per-request LoRA adapters are not supported (the server runs one model)"),
     "grammar": (("",), "grammars are not supported; /v1/completions' response_format makes JSON by construction"),
@@ -104,7 +105,7 @@ class LlamaSettings(Body):
             out["max_tokens"] = self.n_predict
         if self.seed not in (None, -1):
             out["seed"] = self.seed
-        for name in ("model", "temperature", "stop"):
+        for name in ("model", "temperature", "stop", "cache_prompt"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return {**out, **extensions(self.dgemma)}
@@ -162,11 +163,14 @@ async def _serve(served: Served, body: LlamaSettings, fields: dict, http: Reques
 
 async def _warm(served: Served, fields: dict, rename: Renames) -> int:
     """llama.vscode's cache-warming call (n_predict 0): the body checked as the completions body, its prompt
-    tokenized and counted; nothing is queued."""
+    tokenized and counted, and its task's prefill run into the prefix cache (engine.prefill_only)."""
     fields = {k: v for k, v in fields.items() if k != "max_tokens"}  # 0: nothing to generate
     body = mapped(CompletionRequest, fields, rename)
     try:
-        prompts, _ = await completion_checked(served, body, None)  # the body's and its task's checks
+        prompts, tasks = await completion_checked(served, body, None)  # the body's and its task's checks
+        if served.engine.prefix_cache is not None and body.cache_prompt:
+            program = tasks[0].program(served.model, served.engine.runner.canvas_stats)
+            await outcome(served.engine, prefill_only(program), served.request_timeout)
         return len(prompts[0])
     except ApiError as e:
         raise e.renamed(rename) from None
@@ -190,6 +194,7 @@ def _answer(
 ) -> dict:
     """llama.cpp's answer: the text (empty at a stream's end), why it stopped, counts, settings, timings."""
     predicted = choice.returned_tokens if choice is not None else 0
+    cached = 0 if choice is None else choice.request.cached_tokens
     kind, word = _stop_type(served, body, choice, reason)
     begun, queued = clock
     done = time.perf_counter()
@@ -203,14 +208,15 @@ def _answer(
         "stop_type": kind,
         "stopping_word": word,
         "truncated": False,
-        "tokens_cached": 0,
+        "tokens_cached": cached,
         "generation_settings": _settings(served, body),
         # prompt: until the request was on the engine (checked, tokenized, queued); predicted: from then to its
         # end (a diffusion model's passes read the prompt and write the answer together)
         "timings": {
-            "prompt_n": evaluated,
+            "cache_n": cached,
+            "prompt_n": evaluated - cached,
             "prompt_ms": round(prompt_ms, 3),
-            "prompt_per_second": round(evaluated / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
+            "prompt_per_second": round((evaluated - cached) / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
             "predicted_n": predicted,
             "predicted_ms": round(predicted_ms, 3),
             "predicted_per_second": round(predicted / predicted_ms * 1000, 3) if predicted_ms > 0 else 0.0,

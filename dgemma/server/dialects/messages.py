@@ -6,9 +6,11 @@ reasoning); `tools` chat's function tools; `tool_choice` auto / any (a required 
 none; `output_config.format` a json_schema response_format; `thinking` reasoning; `max_tokens` (required),
 `stop_sequences`, `temperature`, `top_p` (1 only, as in chat), `stream`; dgemma's settings under `dgemma`.
 
-Accepted without effect: `metadata`, `service_tier`, `cache_control` (no prompt cache yet: usage's cache
-counts are 0). Refused by name: `top_k`, image URLs (the server fetches nothing), document and server-tool
-blocks, server tools, `output_config.effort`, and every field this module does not list.
+Accepted without effect: `metadata`, `service_tier`, `cache_control` (the server's prefix cache keeps every
+prompt without breakpoints: usage's `cache_read_input_tokens` counts what it loaded, `input_tokens` the rest,
+and `cache_creation_input_tokens` is 0, nothing being written on request). Refused by name: `top_k`, image
+URLs (the server fetches nothing), document and server-tool blocks, server tools, `output_config.effort`, and
+every field this module does not list.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ Id = Annotated[str, Field(max_length=256)]
 
 
 class Cache(Body):
-    """A cache breakpoint: accepted, without effect (dgemma keeps no prompt cache yet)."""
+    """A cache breakpoint: accepted, without effect (the prefix cache keeps every prompt on its own)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
@@ -245,8 +247,10 @@ class _Reply:
         }
 
     def usage(self) -> dict:
-        counts = {"input_tokens": self.started.prompt_tokens, "output_tokens": self.choice.returned_tokens}
-        return counts | {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # no prompt cache yet
+        """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache."""
+        cached = self.choice.request.cached_tokens
+        counts = {"input_tokens": self.started.prompt_tokens - cached, "output_tokens": self.choice.returned_tokens}
+        return counts | {"cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
     async def whole(self) -> dict:
         texts, reasons, calls = await gather(self.started.pieces)
@@ -279,8 +283,7 @@ class _Reply:
             if piece.kind == "end" and piece.error is not None:
                 yield _event("error", **piece.error.body("/v1/messages"))
             elif piece.kind == "end":
-                usage = {"output_tokens": self.choice.returned_tokens}
-                yield _event("message_delta", delta=self.stop(piece.finish_reason), usage=usage)
+                yield _event("message_delta", delta=self.stop(piece.finish_reason), usage=self.usage())
                 yield _event("message_stop")
 
 

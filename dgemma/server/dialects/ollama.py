@@ -206,7 +206,8 @@ class _Run:
         """The last line: why the answer ended, and its counts and durations."""
         now, started = time.monotonic_ns(), self.started
         said = self.line(True, **said) | {"done_reason": "length" if reason == "length" else "stop", "load_duration": 0}
-        said |= {"prompt_eval_count": started.prompt_tokens, "prompt_eval_duration": self.submitted - self.arrived}
+        evaluated = started.prompt_tokens - started.choices[0].request.cached_tokens  # as Ollama: cached not counted
+        said |= {"prompt_eval_count": evaluated, "prompt_eval_duration": self.submitted - self.arrived}
         said |= {"eval_count": sum(c.returned_tokens for c in started.choices), "eval_duration": now - self.submitted}
         return said | {"total_duration": now - self.arrived}
 

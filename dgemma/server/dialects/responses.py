@@ -127,8 +127,7 @@ _NAMES = {"max_tokens": "max_output_tokens", "response_format.json_schema": "tex
 _NAMES |= {"response_format": "text.format", "tools.*.function": "tools.*", "tool_choice.function": "tool_choice"}
 _SAME = {"model", "parallel_tool_calls", "temperature", "top_p", "metadata", "user", "stream", "store", "service_tier"}
 _SAME |= {"top_logprobs"}
-_USAGE = {"input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}}  # no prompt cache, no reasoning
-_USAGE |= {"output_tokens_details": {"reasoning_tokens": 0}}
+_USAGE = {"output_tokens_details": {"reasoning_tokens": 0}}  # reasoning is not counted apart
 
 
 def _typed(kinds: dict[str, type[Body]], raw: Any, *where: str | int, default: str | None = None) -> Any:
@@ -229,7 +228,9 @@ class _Response:
         if self.status in ("completed", "incomplete"):
             choices, used = self.started.choices, self.started.prompt_tokens
             made = sum(c.returned_tokens for c in choices)
-            out["usage"] = {"input_tokens": used, "output_tokens": made, "total_tokens": used + made} | _USAGE
+            cached = {"cached_tokens": choices[0].request.cached_tokens, "cache_write_tokens": 0}
+            out["usage"] = {"input_tokens": used, "input_tokens_details": cached, "output_tokens": made} | _USAGE
+            out["usage"]["total_tokens"] = used + made
             details = {"choices": [c.details for c in choices]} if any(c.details for c in choices) else {}
             out["dgemma"] = {"steps_per_canvas": [c.steps_per_canvas for c in choices], **details}
         return out
