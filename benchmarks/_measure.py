@@ -99,3 +99,13 @@ def until_done(request, t0: float) -> tuple[float, float, object]:
         if isinstance(event, DoneEvent):
             end = time.perf_counter() - t0
             return (end if first is None else first), end, event.result
+
+
+def print_flat(benchmark: str, out: dict) -> None:
+    """A flat dict of figures as a two-column table, then the one JSON line the benchmarks end with."""
+    import json
+
+    width = max(map(len, out))
+    for key, value in out.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    print(json.dumps({"benchmark": benchmark, **out}))

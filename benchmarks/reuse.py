@@ -22,14 +22,13 @@ Prints a table, then one JSON line. `--quick` runs a smaller version (for a smok
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _measure import until_done
+from _measure import print_flat, until_done
 
 import dgemma
 from dgemma.checkpoints.tokenizer import Tokenizer, chat_prompt
@@ -208,10 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     out = {**measure_agent(args.turns), **measure_editor(args.requests), **measure_predictions(args.puzzles)}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    width = max(map(len, out))
-    for key, value in out.items():
-        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    print(json.dumps({"benchmark": "reuse", **out}))
+    print_flat("reuse", out)
 
 
 if __name__ == "__main__":

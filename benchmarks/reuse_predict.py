@@ -17,13 +17,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import statistics
 from collections import Counter
 
 import torch
+from _measure import print_flat
 
 from dgemma.checkpoints.tokenizer import Tokenizer
 from dgemma.checkpoints.weights import load
@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     out = {**sudoku_predictions(args.puzzles, args.seed), **code_edit_prediction(args.files)}
-    width = max(map(len, out))
-    for key, value in out.items():
-        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
-    print(json.dumps({"benchmark": "reuse_predict", **out}))
+    print_flat("reuse_predict", out)
 
 
 if __name__ == "__main__":

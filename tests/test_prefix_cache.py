@@ -127,6 +127,16 @@ def test_reuse_gives_the_same_tokens_as_no_reuse(model, name):
     assert first.tokens == want.tokens and second.tokens == again.tokens
 
 
+def test_a_prompt_the_store_holds_whole_is_not_encoded_at_all(model):
+    with Engine(model) as plain, Engine(model, prefix_cache=PrefixCache(1 << 26)) as reusing:
+        want, _ = _run(plain, _text(48, 6))
+        _run(reusing, _text(48, 6))
+        passes = reusing.stats.encode_passes
+        again, cached = _run(reusing, _text(48, 6))
+    assert cached == 48 and again.tokens == want.tokens
+    assert reusing.stats.encode_passes - passes == 2  # the two commits: no prefill
+
+
 def test_exact_mode_bypasses_the_cache(model):
     store = PrefixCache(1 << 26)
     with Engine(model, prefix_cache=store) as engine:
