@@ -34,8 +34,8 @@ import dgemma
 from dgemma.checkpoints.tokenizer import Tokenizer, chat_prompt
 from dgemma.generation.engine import Engine, EngineRequest
 from dgemma.generation.programs import Generate, Infill
-from dgemma.generation.reuse import PrefixCache
 from dgemma.generation.sampling import SamplingParams
+from dgemma.model.kv_cache import PrefixCache
 
 MODELS = Path(dgemma.__file__).parent / "models"
 CONTEXT = 4096

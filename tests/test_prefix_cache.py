@@ -1,4 +1,4 @@
-"""The prefix cache (dgemma/generation/reuse.py): a stored prefix gives the same tokens as encoding it (fast
+"""The prefix cache (dgemma/model/kv_cache.py): a stored prefix gives the same tokens as encoding it (fast
 mode; exact mode bypasses it), its logits move by rounding only, the store stays within its bound while
 requests run and evict, images are keyed by their pixels, and no request reads another's."""
 
@@ -22,8 +22,8 @@ from helpers import (
 import dgemma
 from dgemma.generation.engine import Engine, drive
 from dgemma.generation.programs import Generate
-from dgemma.generation.reuse import PrefixCache, Reuse
 from dgemma.generation.sampling import SamplingParams
+from dgemma.model.kv_cache import PrefixCache, Reuse
 from dgemma.runtime.runner import as_runner
 
 SETTINGS = dict(max_new_tokens=20, max_denoising_steps=4, seed=3, stop_token_ids=[])

@@ -17,8 +17,7 @@ from pydantic import BaseModel
 
 import dgemma
 from dgemma.generation.engine import Scores, WorkCall
-from dgemma.generation.loop import context_room
-from dgemma.generation.programs import choose_branches, generate_json, sizes_of
+from dgemma.generation.programs import choose_branches, context_room, generate_json, sizes_of
 from dgemma.structured import StructuredOutputError, compile_schema, schema_plan, tool_call_plan
 from dgemma.structured.nodes import MISSING, completed
 from dgemma.structured.schema import build

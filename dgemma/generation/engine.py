@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 
-from ..model.kv_cache import EncodeStack, KVCache, StackedCache
+from ..model.kv_cache import EncodeStack, KVCache, PrefixCache, Reuse, StackedCache
 from ..model.model import DiffusionGemma
 from ..model.vision import Pixels
 from ..runtime.runner import Runner, as_runner
-from .reuse import PrefixCache, Reuse
 
 
 @dataclass
@@ -232,7 +231,7 @@ def drive(
     """Run a program on its own: answer each model call (`answer`; on the reference modules for a
     reference program), pass its events through. `observe(call)`, if given, sees every DenoiseCall before
     it is answered (stage 2 records the states); `prefix`, a store its encodes load from and are kept in
-    (a fast program's: dgemma/generation/reuse.py)."""
+    (a fast program's: dgemma/model/kv_cache.py)."""
     runner = as_runner(model)
     runner = runner.reference if program.reference else runner
     reply, buffer, steps = None, LogitsBuffer(runner.text_config.vocab_size, runner.device), program.steps
@@ -242,8 +241,11 @@ def drive(
             item = steps.send(reply)
         except StopIteration:
             return
-        if isinstance(item, EncodeCall) and reuse is not None:
-            reply = encode_reusing(runner, item, prefix, reuse)
+        if isinstance(item, EncodeCall) and reuse is not None:  # what the store holds loaded, the rest encoded
+            rest, reply = prefix.admit(item, reuse), None
+            if rest is not None:
+                answer(runner, rest)
+            prefix.keep(reuse)
         elif isinstance(item, MODEL_CALLS):
             if observe is not None and isinstance(item, DenoiseCall):
                 observe(item)
@@ -251,14 +253,6 @@ def drive(
         else:
             reply = None
             yield item
-
-
-def encode_reusing(runner: Runner, call: EncodeCall, prefix: PrefixCache, reuse: Reuse) -> None:
-    """An encode with what `prefix` stores of it loaded, the rest encoded, and what it completes kept."""
-    rest = prefix.admit(call, reuse)
-    if rest is not None:
-        answer(runner, rest)
-    prefix.keep(reuse)
 
 
 def run(model: DiffusionGemma | Runner, program: Program, on_event=None) -> Any:
@@ -279,27 +273,6 @@ def _set_global_rng(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
-
-
-def prefill_only(program: Program) -> Program:
-    """`program` up to and with its first encode (its prompt's prefill), then done (a DoneEvent of None):
-    what warms a prefix cache with the prompt a request will bring."""
-
-    def steps():
-        reply = None
-        try:
-            while True:
-                item = program.steps.send(reply)
-                reply = yield item
-                if isinstance(item, EncodeCall):
-                    break
-        except StopIteration:
-            pass
-        finally:
-            program.steps.close()
-        yield DoneEvent(None)
-
-    return Program(steps(), program.reference, program.prompt_tokens)
 
 
 def own_global_rng(program):

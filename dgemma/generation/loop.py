@@ -9,14 +9,14 @@
             stop early once the argmax canvas is stable and confident
         commit the argmax canvas through encode
 
-This is the fast loop (mode "fast", the default): one full-vocabulary buffer per step, draws only where
-tokens are accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and
-it can pin positions (infilling, editing, templates), constrain them, and stream a canvas's leading tokens
-early. Mode "exact" reproduces transformers' `generate` operation for operation and random draw for
-random draw, so the same seed gives the same token ids: it is its own program, reference.py, on the
-reference modules; the Generate task (programs.py) runs one or the other. Both compute the same
-distribution. Here too: prompts as rows, what a request produces (Output, its events and result), and
-the tokens each position may hold (Allowed).
+This is the fast loop (mode "fast", the default): one full-vocabulary buffer per step, draws only where tokens
+are accepted, rows that stopped leave the batch, it stops as soon as `max_new_tokens` is met, and it can pin
+positions (infilling, editing, templates), constrain them, seed them (a prediction), and stream a canvas's
+leading tokens early. Mode "exact" reproduces transformers' `generate` operation for operation and random
+draw for random draw, so the same seed gives the same token ids: it is its own program, reference.py, on the
+reference modules; the Generate task (programs.py) runs one or the other. Both compute the same distribution.
+Here too: prompts as rows, what a request produces (Output, its events and result), and the tokens each
+position may hold (Allowed).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..images import DEFAULT_BUDGET, text_prompt
 from ..model.kv_cache import KVCache
 from ..model.model import DiffusionGemma
 from .engine import Answer, DenoiseCall, DoneEvent, DraftEvent, EncodeCall, ModelCall, TokensEvent
-from .prediction import misled_rows, placed, prediction_counts
+from .prediction import drop_misleading, placed, prediction_counts
 from .sampling import (
     RequestError,
     SamplingParams,
@@ -103,10 +103,9 @@ class Loop:
         logprobs: int | None = None,
         step_stats: bool = False,
         prompt: EncodeCall | None = None,
-        prediction: torch.Tensor | None = None,
+        prediction: torch.Tensor | None = None,  # [B, L] token ids seeding the canvases (-1: none)
     ):
-        self.step_stats, self.prompt, self.stats = step_stats, prompt, stats
-        self.prediction = prediction  # [B, L] token ids seeding the canvases (-1: none), or None
+        self.step_stats, self.prompt, self.stats, self.prediction = step_stats, prompt, stats, prediction
         self.model, self.cache, self.p, self.out = model, cache, p, out
         self.b = cache.batch_size
         self.c = model.config.canvas_length
@@ -135,9 +134,8 @@ class Loop:
         budget = self.p.max_new_tokens - k * c
         needed = (torch.arange(c, device=self.device) < budget).expand(b, c)
         done = torch.tensor([self.out.finished(r) for r in range(b)], device=self.device)
-        seeds, start = None, self.p.max_denoising_steps
-        if self.prediction is not None:
-            seeds, start = placed(window, pinned | ~needed | done[:, None], start)
+        covered = pinned | ~needed | done[:, None]  # where a prediction's tokens are not placed
+        seeds, start = placed(None if self.prediction is None else window, covered, self.p.max_denoising_steps)
         return _Canvas(
             tokens=tokens,
             argmax=tokens,
@@ -211,21 +209,6 @@ class Loop:
         accepted[rows] = t.accepted
         return accepted
 
-    def _drop_misleading(self, st: _Canvas, stopper: StableAndConfident) -> bool:
-        """After a seeded canvas's first step, the rows whose draft mostly disagrees with their prediction
-        (`misled_rows`) start again from noise, as if never seeded (the step they spent is counted); True
-        if any did (the canvas then goes on with an unseeded canvas's schedule)."""
-        rows = misled_rows(st.argmax, st.seeds) & ~st.done
-        if not bool(rows.any()):
-            return False
-        noise = random_tokens(st.tokens.shape, self.v, self.device, self.gen)
-        st.tokens = torch.where(rows[:, None] & ~st.pinned, noise, st.tokens)
-        if st.sc is not None:  # no self-conditioning: a first step's input
-            st.sc = st.sc.masked_fill(rows[:, None, None], 0)
-        st.stable_steps.masked_fill_(rows[:, None], 0)
-        stopper.forget(rows)
-        return True
-
     def _keep_stats(self, st: _Canvas, rows, everyone: bool, t) -> None:
         """The step's entropy and confidence of the rows that ran it (stopped rows keep theirs)."""
         if everyone:
@@ -291,7 +274,7 @@ class Loop:
                 n += 1
                 accepted = yield from self._fast_step(st, step, stopper)
                 step -= 1
-                if n == 1 and st.seeds is not None and self._drop_misleading(st, stopper):
+                if n == 1 and st.seeds is not None and drop_misleading(st, stopper, self.v, self.gen):
                     step = p.max_denoising_steps - 1  # the rest of an unseeded canvas's schedule
                 yield DraftEvent(k, n, st.argmax, accepted, st.entropy, st.confidence)
                 if p.early_commit:
@@ -314,34 +297,13 @@ class Loop:
             # commit: generated tokens, which may hold the image placeholder id (embedded as any token)
             yield EncodeCall(seq, self.cache, is_generated=True)
         result = self.out.result(torch.cat(sequences, dim=1), self.logprobs is not None)
-        if self.prediction is not None:
-            counts = prediction_counts(self.prediction, self.pins, result.tokens)
-            result.accepted_prediction_tokens, result.rejected_prediction_tokens = counts
+        counts = prediction_counts(self.prediction, self.pins, result.tokens)  # (None, None) without one
+        result.accepted_prediction_tokens, result.rejected_prediction_tokens = counts
         yield DoneEvent(result)
 
 
 # ------------------------------------------------------------------------------------------------
 # Public entry points
-
-
-def context_room(context: int, canvas: int, prompt_len: int) -> int:
-    """The tokens a context of `context` positions leaves after a prompt, in whole canvases (what can be
-    generated; 0 when the prompt fills it)."""
-    return max(context - prompt_len, 0) // canvas * canvas
-
-
-def cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
-    """The cache a request writes: a new one with room for the prompt and `total` new tokens in whole
-    canvases (the task checked they fit the context), or the conversation's (`cache`) if they fit in it."""
-    c = model.config.canvas_length
-    room = ids.shape[1] + math.ceil(total / c) * c
-    if cache is None:
-        return model.new_cache(ids.shape[0], room)
-    if cache.length + room > cache.max_length:
-        raise ValueError(
-            f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
-        )
-    return cache
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .sampling import RequestError
+from .sampling import RequestError, random_tokens
 
 # A seeded canvas starts at this fraction of max_denoising_steps (steps left, and the temperature there).
 # On Sudoku 1, 0.5 and 0.25 end right and nearly right predictions in the same steps; the code model, whose
@@ -69,10 +69,12 @@ def seeded_start(max_steps: int, share: float) -> int:
     return max(min(2, max_steps), math.ceil(max_steps * (1 - (1 - SEEDED_START) * share)))
 
 
-def placed(window: torch.Tensor, covered: torch.Tensor, max_steps: int) -> tuple[torch.Tensor | None, int]:
+def placed(window: torch.Tensor | None, covered: torch.Tensor, max_steps: int) -> tuple[torch.Tensor | None, int]:
     """A canvas's prediction tokens [B, C] (`window`, -1 where none) where they are placed, -1 where pins,
     the length or a finished row cover them (`covered`), or None when none is; and the step the canvas
     starts at (`seeded_start`)."""
+    if window is None:  # no prediction
+        return None, max_steps
     seeds = window.masked_fill(covered, -1)
     count, free = int((seeds >= 0).sum()), int((~covered).sum())
     return (seeds, seeded_start(max_steps, count / free)) if count else (None, max_steps)
@@ -86,10 +88,13 @@ def misled_rows(argmax: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
 
 
 def prediction_counts(
-    prediction: torch.Tensor, pins: torch.Tensor | None, tokens: list[list[int]]
-) -> tuple[list[int], list[int]]:
+    prediction: torch.Tensor | None, pins: torch.Tensor | None, tokens: list[list[int]]
+) -> tuple[list[int] | None, list[int] | None]:
     """Per row, (accepted, rejected) prediction tokens: of those placed on the canvas (not pinned), the
-    ones equal to the answer's token at the same position, and the others (past the answer's end too)."""
+    ones equal to the answer's token at the same position, and the others (past the answer's end too);
+    (None, None) without a prediction."""
+    if prediction is None:
+        return None, None
     accepted, rejected = [], []
     for r, answer in enumerate(tokens):
         row = prediction[r].tolist()
@@ -99,3 +104,19 @@ def prediction_counts(
         accepted.append(kept)
         rejected.append(len(spots) - kept)
     return accepted, rejected
+
+
+def drop_misleading(canvas, stopper, vocab: int, generator) -> bool:
+    """After a seeded canvas's first step (loop._Canvas), the rows whose draft mostly disagrees with their
+    prediction (`misled_rows`) start again from noise, as if never seeded (the step they spent is counted);
+    True if any did (the canvas then goes on with an unseeded canvas's schedule)."""
+    rows = misled_rows(canvas.argmax, canvas.seeds) & ~canvas.done
+    if not bool(rows.any()):
+        return False
+    noise = random_tokens(canvas.tokens.shape, vocab, canvas.tokens.device, generator)
+    canvas.tokens = torch.where(rows[:, None] & ~canvas.pinned, noise, canvas.tokens)
+    if canvas.sc is not None:  # no self-conditioning: a first step's input
+        canvas.sc = canvas.sc.masked_fill(rows[:, None, None], 0)
+    canvas.stable_steps.masked_fill_(rows[:, None], 0)
+    stopper.forget(rows)
+    return True

@@ -15,6 +15,7 @@ SamplingParams here and go no further), the server's `to_task` per route (dgemma
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..model.kv_cache import KVCache
+from ..model.kv_cache import KVCache, PrefixCache
 from ..model.model import DiffusionGemma
 from ..runtime.runner import Runner, as_runner
 from ..structured.nodes import json_text
@@ -61,9 +62,7 @@ from .loop import (
     Loop,
     Output,
     as_allowed,
-    cache_for,
     check_ids,
-    context_room,
     end_of_text_ids,
     left_pad,
     prompt_rows,
@@ -72,7 +71,6 @@ from .loop import (
 )
 from .prediction import check_prediction, prediction_tensor
 from .reference import reference_program
-from .reuse import PrefixCache
 from .sampling import RequestError, SamplingParams
 
 MAX_RETRIES = 8
@@ -81,6 +79,26 @@ CONTEXT = "context_length_exceeded"  # the code of a RequestError about the cont
 
 # ------------------------------------------------------------------------------------------------
 # What a request may take: one formula for the library, the CLI and the server
+
+
+def context_room(context: int, canvas: int, prompt_len: int) -> int:
+    """The tokens a context of `context` positions leaves after a prompt, in whole canvases (what can be
+    generated; 0 when the prompt fills it)."""
+    return max(context - prompt_len, 0) // canvas * canvas
+
+
+def cache_for(model: DiffusionGemma, ids: torch.Tensor, total: int, cache: KVCache | None) -> KVCache:
+    """The cache a request writes: a new one with room for the prompt and `total` new tokens in whole
+    canvases (the task checked they fit the context), or the conversation's (`cache`) if they fit in it."""
+    c = model.config.canvas_length
+    room = ids.shape[1] + math.ceil(total / c) * c
+    if cache is None:
+        return model.new_cache(ids.shape[0], room)
+    if cache.length + room > cache.max_length:
+        raise ValueError(
+            f"the conversation needs {cache.length + room} positions but its cache holds {cache.max_length}"
+        )
+    return cache
 
 
 def sizes_of(model: DiffusionGemma) -> Sizes:
@@ -312,7 +330,7 @@ def stream(
     `max_soft_tokens`; `pixels` (vision.Pixels) are images already preprocessed for token-id prompts.
     `prediction` (fast mode): the answer as expected, token ids or text (with `tokenizer`), or one per row;
     its tokens seed the canvases and the result counts those kept (dgemma/generation/prediction.py).
-    `prefix` (a PrefixCache, dgemma/generation/reuse.py): the prompt's longest stored prefix is loaded
+    `prefix` (a PrefixCache, dgemma/model/kv_cache.py): the prompt's longest stored prefix is loaded
     instead of encoded, and the prompt and committed canvases are kept there (a Session's); `context`
     bounds the positions the prompt and the answer use (default: the model's, or what `cache` has left).
     """

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..model.kv_cache import PrefixCache
 from ..model.model import DiffusionGemma
 from ..runtime.runner import Runner, as_runner
 from .engine import DoneEvent
 from .loop import Event
 from .programs import stream
-from .reuse import PrefixCache
 from .sampling import SamplingParams
 
 
@@ -17,13 +17,13 @@ class Session:
     """A conversation (batch of one) whose turns reuse what earlier turns encoded.
 
     Each turn takes the whole conversation as token ids (typically the chat template's rendering). The
-    session's prefix cache (dgemma/generation/reuse.py, the one a server's engine uses) holds every turn's
+    session's prefix cache (dgemma/model/kv_cache.py, the one a server's engine uses) holds every turn's
     prompt and committed canvases: a turn loads the longest prefix it holds and encodes only the rest,
     so a template that rewrites past turns (drops past thoughts, say) costs only what changed. `pixels`
     are the images of the whole conversation in order (dgemma.chat_prompt gives both); a turn without
     them reuses the last ones given. `max_length` bounds the positions a turn uses (prompt and answer);
     `prefix_cache` may be shared with other sessions (default: one of the session's own, bounded by
-    reuse.DEFAULT_SHARE of the memory free when it is made).
+    kv_cache.DEFAULT_SHARE of the memory free when it is made).
     """
 
     def __init__(

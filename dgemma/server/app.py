@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - a dependency of dgemma[serve]
     fastapi_offline = None
 
 from ..generation.engine import Engine
-from ..generation.reuse import PrefixCache
+from ..model.kv_cache import PrefixCache
 from ..runtime.runner import as_runner
 from .dialects import llamacpp, messages, ollama, responses
 from .guard import Guard

@@ -82,14 +82,8 @@ class ApiError(Exception):
 
 
 # Anthropic's error types by status (docs.anthropic.com/en/api/errors)
-_ANTHROPIC_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+_ANTHROPIC_TYPES |= {413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 _DIALECTS = (("/v1/messages", "anthropic"), ("/api/", "ollama"), ("/infill", "llama.cpp"), ("/completion", "llama.cpp"))
 
 
@@ -378,9 +372,6 @@ class Prediction(Body):
     type: Literal["content"]
     content: Text | Annotated[list[PredictionPart], Field(max_length=MAX_PREDICTION_PARTS)]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
 
 class DiffusionSettings(Body):
     """Fields shared by both endpoints; the diffusion ones carry generation_config.json's names."""
@@ -409,9 +400,7 @@ class DiffusionSettings(Body):
     early_commit_steps: int | None = setting_field("early_commit_steps")
     early_commit_entropy: float | None = setting_field("early_commit_entropy")
     include_drafts: bool = False  # extension: stream each step's draft canvas in `dgemma_draft`
-    # extension (llama.cpp's name): load the prompt's longest stored prefix from the server's prefix cache and
-    # keep the prompt there; false: encode it whole and keep nothing of it
-    cache_prompt: bool = True
+    cache_prompt: bool = True  # extension (llama.cpp's name): false keeps the prompt out of the prefix cache
     response_format: ResponseFormat | None = None  # JSON answers: dgemma/structured/
     # extension: the answer is exactly one of these, the one the model scores best (dgemma.choose)
     choices: list[Annotated[Text, Field(min_length=1, max_length=MAX_OPTION_CHARS)]] | None = Field(
@@ -457,18 +446,14 @@ class DiffusionSettings(Body):
             if bad:
                 return bad[0], f"{bad[0]}: does not apply with choices (the answer is the best-scored option)"
         if self.retries is not None and not (json_format or getattr(self, "forced_call", False)):
-            return (
-                "retries",
-                "retries: apply to answers that are validated (a JSON response_format, a required tool call)",
-            )
+            why = "retries: apply to answers that are validated (a JSON response_format, a required tool call)"
+            return "retries", why
         if json_format and self.stop:
             return "stop", "stop: does not apply with a JSON response_format (the JSON ends itself)"
-        unseeded = {"a JSON response_format": json_format, "suffix": getattr(self, "suffix", None) is not None}
-        unseeded["mode 'exact'"] = self.mode == "exact"  # what a prediction cannot seed: not a free text answer
-        against = next((n for n, given in unseeded.items() if given), None)
-        if self.prediction is not None and against is not None:
-            return "prediction", f"prediction: seeds a text answer's canvas in mode 'fast', not with {against}"
         whole = {"suffix": getattr(self, "suffix", None) is not None, "response_format": json_format}
+        unseeded = next((n for n, given in (*whole.items(), ("mode 'exact'", self.mode == "exact")) if given), None)
+        if self.prediction is not None and unseeded is not None:  # what a prediction cannot seed: no free text
+            return "prediction", f"prediction: seeds a text answer's canvas in mode 'fast', not with {unseeded}"
         other = next((n for n, given in (*whole.items(), ("stream", self.stream)) if given), None)
         logprobs = getattr(self, "logprobs", None)  # chat's a bool, completions' a count (0 is one)
         if logprobs is not None and logprobs is not False and other is not None:  # with whole answers, as written

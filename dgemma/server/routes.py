@@ -224,7 +224,8 @@ async def prediction_ids(served: Served, body) -> list[int] | None:
     """A body's `prediction` as token ids (its text tokenized without special tokens), or None."""
     if body.prediction is None:
         return None
-    text = body.prediction.text()
+    content = body.prediction.content
+    text = content if isinstance(content, str) else "".join(part.text for part in content)
     check_chars(served, len(text), "prediction")
     return await tokenize(served, served.tokenizer.encode, text, param="prediction", add_special_tokens=False)
 

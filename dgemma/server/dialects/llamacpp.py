@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator
 
-from ...generation.engine import prefill_only
+from ...generation.engine import DoneEvent, EncodeCall, Program
 from ..answers import gather, sse
 from ..protocol import ApiError, Body, CompletionRequest, Text
 from ..routes import Started, completion_checked, outcome
@@ -161,16 +161,37 @@ async def _serve(served: Served, body: LlamaSettings, fields: dict, http: Reques
     return _answer(served, body, started.choices[0], text, started.prompt_tokens, reasons[0], clock)
 
 
+def _prefill_only(program: Program) -> Program:
+    """`program` up to and with its first encode (its prompt's prefill), then done (a DoneEvent of None):
+    what warms a prefix cache with the prompt a request will bring."""
+
+    def steps():
+        reply = None
+        try:
+            while True:
+                item = program.steps.send(reply)
+                reply = yield item
+                if isinstance(item, EncodeCall):
+                    break
+        except StopIteration:
+            pass
+        finally:
+            program.steps.close()
+        yield DoneEvent(None)
+
+    return Program(steps(), program.reference, program.prompt_tokens)
+
+
 async def _warm(served: Served, fields: dict, rename: Renames) -> int:
     """llama.vscode's cache-warming call (n_predict 0): the body checked as the completions body, its prompt
-    tokenized and counted, and its task's prefill run into the prefix cache (engine.prefill_only)."""
+    tokenized and counted, and its task's prefill run into the prefix cache (_prefill_only)."""
     fields = {k: v for k, v in fields.items() if k != "max_tokens"}  # 0: nothing to generate
     body = mapped(CompletionRequest, fields, rename)
     try:
         prompts, tasks = await completion_checked(served, body, None)  # the body's and its task's checks
         if served.engine.prefix_cache is not None and body.cache_prompt:
             program = tasks[0].program(served.model, served.engine.runner.canvas_stats)
-            await outcome(served.engine, prefill_only(program), served.request_timeout)
+            await outcome(served.engine, _prefill_only(program), served.request_timeout)
         return len(prompts[0])
     except ApiError as e:
         raise e.renamed(rename) from None
