@@ -27,7 +27,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 from _measure import print_flat, until_done
 
 import dgemma
@@ -36,8 +35,8 @@ from dgemma.generation.engine import Engine, EngineRequest
 from dgemma.generation.programs import Generate, Infill
 from dgemma.generation.sampling import SamplingParams
 from dgemma.model.kv_cache import PrefixCache
+from dgemma.tasks import code, shapes
 
-MODELS = Path(dgemma.__file__).parent / "models"
 CONTEXT = 4096
 TOOLS = [
     {
@@ -59,15 +58,14 @@ TOOLS = [
 ]
 
 
-def load(name: str):
-    path = MODELS / name
+def load(path: Path):
     return dgemma.accelerate(dgemma.load(path, dtype="fp32")), Tokenizer.from_dir(path)
 
 
-def _submit(engine: Engine, task, stats) -> tuple[float, object]:
+def _submit(engine: Engine, task) -> tuple[float, object]:
     task = task.check(engine.model, CONTEXT)
     t0 = time.perf_counter()
-    request = engine.submit(EngineRequest(task.program(engine.model, stats)))
+    request = engine.submit(EngineRequest(task.program(engine.model, engine.runner.canvas_stats)))
     first, _, result = until_done(request, t0)
     return first, result
 
@@ -92,7 +90,7 @@ def agent_loop(runner, tok, turns: int, store: PrefixCache | None) -> dict:
     with Engine(runner, prefix_cache=store) as engine:
         for turn in range(turns):
             ids, _ = chat_prompt(tok, runner.model.config, messages, tools=TOOLS)
-            first, result = _submit(engine, Generate([ids], params), runner.canvas_stats)
+            first, result = _submit(engine, Generate([ids], params))
             ttft.append(first)
             prompts.append(len(ids))
             answer = tok.decode(result.tokens[0])
@@ -125,7 +123,7 @@ def editor_loop(runner, tok, requests: int, store: PrefixCache | None) -> dict:
     with Engine(runner, prefix_cache=store) as engine:
         for k in range(requests):
             line = tok.encode(f"\ntotal = step_{k}([1, 2, {k}])", add_special_tokens=False)
-            took, _ = _submit(engine, Infill(prefix + line, suffix, 16, params), runner.canvas_stats)
+            took, _ = _submit(engine, Infill(prefix + line, suffix, 16, params))
             times.append(took)
         encoded = engine.stats.encoded_tokens
     return {"time_s": times, "prefix_tokens": len(prefix), "encoded_tokens": encoded}
@@ -143,22 +141,12 @@ def _median_after_first(times: list[float]) -> float:
 
 
 def measure_agent(turns: int) -> dict:
-    runner, tok = load("shapes")
+    runner, tok = load(shapes.MODEL_DIR)
     agent_loop(runner, tok, 2, None)  # warm up
     cold = agent_loop(runner, tok, turns, None)
     store = _store(runner)
     warm = agent_loop(runner, tok, turns, store)
-    # the store's bound at a quarter of what the loop kept: the most it ever held
-    bounded = _store(runner, max_bytes=max(store.nbytes // 4, 1))
-    most = [0]
-    make_room = bounded._make_room
-
-    def watched(nbytes, chain):
-        ok = make_room(nbytes, chain)
-        most[0] = max(most[0], bounded.nbytes + (nbytes if ok else 0))
-        return ok
-
-    bounded._make_room = watched
+    bounded = _store(runner, max_bytes=max(store.nbytes // 4, 1))  # a quarter of what the loop kept
     agent_loop(runner, tok, turns, bounded)
     return {
         "agent_turn_last_ttft_s_cold": cold["ttft_s"][-1],
@@ -170,13 +158,13 @@ def measure_agent(turns: int) -> dict:
         "agent_encoded_tokens_cached": warm["encoded_tokens"],
         "agent_store_bytes": store.nbytes,
         "bounded_store_max_bytes": bounded.max_bytes,
-        "bounded_store_most_held": most[0],
+        "bounded_store_most_held": bounded.stats.peak_bytes,
         "bounded_store_evictions": bounded.stats.evictions,
     }
 
 
 def measure_editor(requests: int) -> dict:
-    runner, tok = load("code")
+    runner, tok = load(code.MODEL_DIR)
     editor_loop(runner, tok, 2, None)  # warm up
     cold = editor_loop(runner, tok, requests, None)
     out = {"editor_prefix_tokens": cold["prefix_tokens"], "editor_time_s_cold": _median_after_first(cold["time_s"])}
@@ -204,7 +192,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.turns, args.requests, args.puzzles = 3, 4, 4
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     out = {**measure_agent(args.turns), **measure_editor(args.requests), **measure_predictions(args.puzzles)}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print_flat("reuse", out)

@@ -4,8 +4,6 @@ requests run and evict, images are keyed by their pixels, and no request reads a
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from helpers import (
@@ -47,6 +45,11 @@ def _run(engine: Engine, prompt, settings=SETTINGS, **kwargs):
 # -- the store on its own --------------------------------------------------------------------------------
 
 
+def _block_bytes(model) -> int:
+    """The bytes of one block of 16 positions: every layer's keys and values, fp32."""
+    return 2 * 16 * sum(k.shape[1] * k.shape[3] * 4 for k in model.new_cache(1, 1).keys)
+
+
 def _stored(model, store: PrefixCache, ids: list[int]) -> Reuse:
     """`ids` encoded through the store (loading what it holds, keeping what it completes)."""
     cache = model.new_cache(1, len(ids))
@@ -59,8 +62,7 @@ def _stored(model, store: PrefixCache, ids: list[int]) -> Reuse:
 
 
 def test_blocks_match_by_exact_tokens_and_evict_least_recently_used_leaves(model):
-    one_block = 2 * 16 * sum(k.shape[1] * k.shape[3] * 4 for k in model.new_cache(1, 1).keys)  # K and V, fp32
-    store = PrefixCache(5 * one_block, block_size=16)
+    store = PrefixCache(5 * _block_bytes(model), block_size=16)
     a, b = _text(48, 0), _text(48, 1)
     assert _stored(model, store, a).cached == 0 and store.blocks == 3
     assert _stored(model, store, a[:40] + [7] * 8).cached == 32  # whole blocks, up to the first change
@@ -74,8 +76,7 @@ def test_blocks_match_by_exact_tokens_and_evict_least_recently_used_leaves(model
 
 
 def test_one_prompt_larger_than_the_store_keeps_what_fits(model):
-    one_block = 2 * 16 * sum(k.shape[1] * k.shape[3] * 4 for k in model.new_cache(1, 1).keys)
-    store = PrefixCache(2 * one_block)
+    store = PrefixCache(2 * _block_bytes(model))
     _stored(model, store, _text(100))
     assert store.blocks == 2 and store.nbytes <= store.max_bytes
     assert _stored(model, store, _text(100)).cached == 32
@@ -166,18 +167,7 @@ def test_a_request_that_opts_out_neither_loads_nor_keeps(model):
 def test_eviction_under_pressure_with_requests_running(model):
     """Eight requests at once with other prompts, in a store of four blocks: every answer is its own (the same
     tokens as alone), the store never holds more than its bound, and a running request reads only its copy."""
-    one_block = 2 * 16 * sum(k.shape[1] * k.shape[3] * 4 for k in model.new_cache(1, 1).keys)
-    store = PrefixCache(4 * one_block)
-    held, seen = [], threading.Event()
-    original = store._make_room
-
-    def watched(nbytes, chain):
-        ok = original(nbytes, chain)
-        held.append(store.nbytes + (nbytes if ok else 0))
-        seen.set()
-        return ok
-
-    store._make_room = watched
+    store = PrefixCache(4 * _block_bytes(model))
     prompts = [_text(40 + k, k) for k in range(8)]
     with Engine(model) as plain:
         alone = [_run(plain, p)[0].tokens for p in prompts]
@@ -185,7 +175,7 @@ def test_eviction_under_pressure_with_requests_running(model):
         requests = [engine.submit(generation_request(engine.runner, p, dict(SETTINGS))) for p in prompts * 2]
         results = [request_result(r).tokens for r in requests]
     assert results == alone * 2
-    assert seen.is_set() and max(held) <= store.max_bytes and store.stats.evictions > 0
+    assert store.stats.stored_blocks and store.stats.peak_bytes <= store.max_bytes and store.stats.evictions > 0
 
 
 def test_images_in_a_stored_prefix_are_keyed_by_their_pixels(tmp_path_factory):

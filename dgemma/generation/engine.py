@@ -349,7 +349,6 @@ class EngineRequest:
     _call: ModelCall | None = None  # the model call its program waits on
     _work: futures.Future | None = None  # its WorkCall, started on the worker thread
     _reuse: Reuse | None = None  # its part in the engine's prefix cache (None: it takes none)
-    _admitted: EncodeCall | None = None  # the encode the prefix cache last saw
 
     @property
     def cached_tokens(self) -> int:
@@ -615,20 +614,17 @@ class Engine:
                 r._work = self._worker.submit(r._call.fn, *r._call.args)
 
     def _admit(self, waiting: list[EngineRequest]) -> list[EngineRequest]:
-        """The prefix cache's look at each encode it has not seen: a prompt's stored prefix is loaded and
-        the request waits on the encode of the rest (or, all loaded, goes on). Returns those still waiting."""
+        """The prefix cache's look at each encode waiting (every one is answered before the next look): a
+        prompt's stored prefix is loaded and the request waits on the encode of the rest (or, all loaded, goes
+        on). Returns those still waiting."""
         out = []
         for r in waiting:
-            call = r._call
-            if r._reuse is None or not isinstance(call, EncodeCall) or call is r._admitted:
-                out.append(r)
-                continue
-            rest = self.prefix_cache.admit(call, r._reuse)
-            if rest is None:
-                self.prefix_cache.keep(r._reuse)
-                self._advance(r, None)
-                continue
-            r._call = r._admitted = rest
+            if r._reuse is not None and isinstance(r._call, EncodeCall):
+                r._call = self.prefix_cache.admit(r._call, r._reuse)
+                if r._call is None:
+                    self.prefix_cache.keep(r._reuse)
+                    self._advance(r, None)
+                    continue
             out.append(r)
         return out
 

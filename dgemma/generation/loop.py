@@ -127,15 +127,15 @@ class Loop:
     def _new_canvas(self, k: int) -> _Canvas:
         b, c = self.b, self.c
         tokens = random_tokens((b, c), self.v, self.device, self.gen)
-        window = _canvas_window(self.prediction, k, c, b, self.device)  # a prediction's tokens replace the noise
         pin_values = _canvas_window(self.pins, k, c, b, self.device)
         pinned = pin_values >= 0
-        tokens = torch.where(pinned, pin_values, torch.where(window >= 0, window, tokens))
+        window = None if self.prediction is None else _canvas_window(self.prediction, k, c, b, self.device)
+        tokens = tokens if window is None else torch.where(window >= 0, window, tokens)  # a prediction: no noise
+        tokens = torch.where(pinned, pin_values, tokens)
         budget = self.p.max_new_tokens - k * c
         needed = (torch.arange(c, device=self.device) < budget).expand(b, c)
         done = torch.tensor([self.out.finished(r) for r in range(b)], device=self.device)
-        covered = pinned | ~needed | done[:, None]  # where a prediction's tokens are not placed
-        seeds, start = placed(None if self.prediction is None else window, covered, self.p.max_denoising_steps)
+        seeds, start = placed(window, pinned | ~needed | done[:, None], self.p.max_denoising_steps)
         return _Canvas(
             tokens=tokens,
             argmax=tokens,

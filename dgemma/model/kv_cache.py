@@ -133,19 +133,15 @@ class KVCache:
 
     def kv_range(self, i: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values [B, Hkv, end - start, D] of written positions [start, end) (a ring
-        layer needs `keep_history`, or the positions still in its window)."""
+        layer's from the history `keep_history` keeps)."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"positions [{start}, {end}) are outside the {self.length} written")
         if not self._is_ring(i):
             return self.keys[i][:, :, start:end], self.values[i][:, :, start:end]
-        if self.history is not None:
-            k, v = self.history[i]
-            return k[:, :, start:end], v[:, :, start:end]
-        slots = self.keys[i].shape[2]
-        if start < self.length - slots:
-            raise ValueError("a sliding ring has forgotten these positions (keep_history() keeps them)")
-        first = slots - (self.length - start)
-        return self.keys[i][:, :, first : first + end - start], self.values[i][:, :, first : first + end - start]
+        if self.history is None:
+            raise ValueError("a sliding ring keeps only its window (keep_history() keeps every position)")
+        k, v = self.history[i]
+        return k[:, :, start:end], v[:, :, start:end]
 
     def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Write a prefix into this empty cache: per layer, keys and values [Hkv, n, D] of positions
@@ -433,8 +429,6 @@ class EncodeStack:
 
 
 # ------------------------------------------------------------------------------------------------
-# The prefix cache: what requests encoded, kept for the next ones
-#
 # The prefix cache: the causal encoder's keys and values of prompts and committed canvases, kept after a
 # request ends and loaded into the next request that starts with the same tokens (docs/server.md, "Prefix
 # cache").
@@ -507,6 +501,7 @@ class PrefixStats:
     cached_tokens: int = 0  # of those, the positions loaded from the store
     evictions: int = 0  # blocks evicted
     stored_blocks: int = 0  # blocks ever stored
+    peak_bytes: int = 0  # the most bytes ever held (never above the bound)
 
 
 def image_digests(pixels: Pixels | None) -> list[str]:
@@ -583,16 +578,20 @@ class PrefixCache:
         return n
 
     # -- match and load ------------------------------------------------------------------------------
-    def match(self, keys: list) -> list[Block]:
-        """The stored blocks of the longest prefix of `keys` (whole blocks, not ending inside an image)."""
+    def _stored(self, keys: list) -> list[Block]:
+        """The stored blocks of the longest prefix of `keys`, in whole blocks."""
         bs, out = self.block_size, []
         for start in range(0, len(keys) - bs + 1, bs):
             block = self._blocks.get(_key(out[-1] if out else None, tuple(keys[start : start + bs])))
             if block is None:
                 break
             out.append(block)
-        cut = self._image_start(keys, len(out) * bs) // bs
-        return out[:cut]
+        return out
+
+    def match(self, keys: list) -> list[Block]:
+        """The stored blocks of the longest prefix of `keys` to load (whole blocks, not ending inside an image)."""
+        out = self._stored(keys)
+        return out[: self._image_start(keys, len(out) * self.block_size) // self.block_size]
 
     def admit(self, call: Encode, reuse: Reuse) -> Encode | None:
         """A prompt's encode with its longest stored prefix loaded into its cache: the encode of the rest,
@@ -643,15 +642,9 @@ class PrefixCache:
 
     def _store(self, keys: list, cache: KVCache) -> None:
         """Store the blocks of `keys` (the cache's positions) that are not stored yet."""
-        bs, chain = self.block_size, []
-        starts = range(0, len(keys) - bs + 1, bs)
-        for start in starts:  # what is stored already
-            block = self._blocks.get(_key(chain[-1] if chain else None, tuple(keys[start : start + bs])))
-            if block is None:
-                break
-            chain.append(block)
+        bs, chain = self.block_size, self._stored(keys)
         self._touch(chain)  # the newest now: what is evicted to make room is older, and a leaf
-        for start in starts[len(chain) :]:
+        for start in range(len(chain) * bs, len(keys) - bs + 1, bs):
             block = self._new_block(chain[-1] if chain else None, tuple(keys[start : start + bs]), cache, start, chain)
             if block is None:
                 break
@@ -677,6 +670,7 @@ class PrefixCache:
             parent.children += 1
         self.nbytes += nbytes
         self.stats.stored_blocks += 1
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.nbytes)
         return block
 
     def _make_room(self, nbytes: int, chain: list[Block]) -> bool:
@@ -702,12 +696,6 @@ class PrefixCache:
         """Mark a chain used now, its deepest block first, so that a parent is never older than its children."""
         for block in reversed(chain):
             self._lru.move_to_end(block.id)
-
-    def clear(self) -> None:
-        """Drop every stored block."""
-        self._blocks.clear()
-        self._lru.clear()
-        self.nbytes = 0
 
 
 def _key(parent: Block | None, tokens: tuple) -> tuple:

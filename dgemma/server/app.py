@@ -71,7 +71,7 @@ def create_app(
     a key); `limits` bounds the body (see guard.Limits); `max_context` bounds the positions (prompt and
     generated tokens) of one request, and so its KV cache (default: the model's context, at most 32768);
     `prefix_cache_gb` bounds the prefix cache that prompts and committed canvases are kept in for later
-    requests (0: none; default: reuse.DEFAULT_SHARE of the memory free now)."""
+    requests (0: none; default: kv_cache.DEFAULT_SHARE of the memory free now)."""
     runner = as_runner(model)
     model_context = runner.model.text_config.max_position_embeddings
     context = min(model_context, DEFAULT_MAX_CONTEXT) if max_context is None else max_context

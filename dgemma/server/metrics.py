@@ -32,17 +32,24 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats
-        for field, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=getattr(s, field))
         gauges = {
             "dgemma_tokens_per_forward": ("tokens generated per canvas step", s.tokens_generated / max(s.row_steps, 1)),
             "dgemma_queue_depth": ("requests waiting", self.engine.queue_depth),
             "dgemma_batch_size": ("requests being denoised", self.engine.active),
             "dgemma_last_batch_size": ("requests denoised in the last engine step", s.last_batch_size),
         }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield from _prefix_metrics(self.engine)
+        yield from _families(_COUNTERS, s, gauges)
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return
+        p = cache.stats
+        gauges = {
+            "dgemma_prefix_cache_hit_rate": ("cached / looked-up positions", p.cached_tokens / max(p.prompt_tokens, 1)),
+            "dgemma_prefix_cache_bytes": ("bytes of keys and values held", cache.nbytes),
+            "dgemma_prefix_cache_max_bytes": ("the bound on those bytes (--prefix-cache-gb)", cache.max_bytes),
+            "dgemma_prefix_cache_blocks": ("blocks held", cache.blocks),
+        }
+        yield from _families(_PREFIX_COUNTERS, p, gauges)
 
 
 _PREFIX_COUNTERS = {  # PrefixStats field -> (metric name, help)
@@ -55,20 +62,10 @@ _PREFIX_COUNTERS = {  # PrefixStats field -> (metric name, help)
 }
 
 
-def _prefix_metrics(engine: Engine):
-    """The prefix cache's counters and gauges (hit rate by positions, bytes held and their bound)."""
-    cache = engine.prefix_cache
-    if cache is None:
-        return
-    s = cache.stats
-    for field, (name, doc) in _PREFIX_COUNTERS.items():
-        yield CounterMetricFamily(name, doc, value=getattr(s, field))
-    gauges = {
-        "dgemma_prefix_cache_hit_rate": ("cached / looked-up positions", s.cached_tokens / max(s.prompt_tokens, 1)),
-        "dgemma_prefix_cache_bytes": ("bytes of keys and values held", cache.nbytes),
-        "dgemma_prefix_cache_max_bytes": ("the bound on those bytes (--prefix-cache-gb)", cache.max_bytes),
-        "dgemma_prefix_cache_blocks": ("blocks held", cache.blocks),
-    }
+def _families(counters: dict, stats, gauges: dict):
+    """Counters read from `stats` (field -> (name, help)) and gauges (name -> (help, value))."""
+    for field, (name, doc) in counters.items():
+        yield CounterMetricFamily(name, doc, value=getattr(stats, field))
     for name, (doc, value) in gauges.items():
         yield GaugeMetricFamily(name, doc, value=value)
 
